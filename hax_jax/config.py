@@ -1,0 +1,242 @@
+"""Typed, frozen configs, `key=value` overrides, and JSON round trips.
+
+Every field has a default and a comment; cross-field invariants live in `__post_init__`. Field names
+follow mamba_ssm (`d_model n_layer d_state d_conv expand headdim ngroups chunk_size vocab_size`).
+"""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+MIXER_KINDS = ("mamba", "mamba2")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MambaConfig:
+    """The Mamba-1 (S6) mixer (mamba_ssm `Mamba`)."""
+
+    d_state: int = 16  # SSM state size N
+    d_conv: int = 4  # depthwise causal conv width
+    expand: int = 2  # d_inner = expand * d_model
+    dt_rank: int | None = None  # rank R of the dt projection; None = ceil(d_model / 16)
+    dt_min: float = 1e-3  # dt init: log-uniform in [dt_min, dt_max] ...
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4  # ... clamped below at this floor
+    dt_scale: float = 1.0  # dt_proj weight init bound = dt_scale / sqrt(R)
+    conv_bias: bool = True  # bias in the conv
+    bias: bool = False  # bias in in_proj and out_proj
+    scan_impl: Literal["reference", "associative"] = "associative"  # selective_scan impl
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mamba2Config:
+    """The Mamba-2 (SSD) mixer (mamba_ssm `Mamba2`)."""
+
+    d_state: int = 128  # SSM state size N
+    d_conv: int = 4  # depthwise causal conv width (over x, B and C)
+    expand: int = 2  # d_inner = expand * d_model
+    headdim: int = 64  # P; n_heads = d_inner // headdim
+    ngroups: int = 1  # G groups of B and C shared by n_heads // G heads each
+    A_init_range: tuple[float, float] = (1.0, 16.0)  # -A init: uniform in this range
+    dt_min: float = 1e-3  # dt init: log-uniform in [dt_min, dt_max] ...
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4  # ... clamped below at this floor
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # dt = clip(softplus(dt + dt_bias), *dt_limit)
+    conv_bias: bool = True  # bias in the conv
+    bias: bool = False  # bias in in_proj and out_proj
+    chunk_size: int = 256  # SSD chunk length Q (any sequence length works; padded internally)
+    ssd_impl: Literal["reference", "chunked"] = "chunked"  # ssd impl
+
+    def __post_init__(self):
+        if self.chunk_size < 1:
+            raise ValueError(f"mamba2.chunk_size must be positive, got {self.chunk_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The language model: embeddings -> blocks -> final norm -> head."""
+
+    d_model: int = 768  # residual width
+    n_layer: int = 24  # number of residual blocks
+    vocab_size: int = 50277  # real vocabulary; token ids must be below this
+    pad_vocab_size_multiple: int = 8  # embedding rows = vocab_size rounded up to this multiple
+    block_pattern: tuple[str, ...] = ("mamba",)  # mixer kinds, repeated cyclically over the layers
+    tie_embeddings: bool = True  # the head reuses the embedding matrix
+    residual_in_fp32: bool = True  # keep the residual stream in fp32 whatever the compute dtype
+    norm_eps: float = 1e-5  # RMSNorm epsilon (block norms, final norm, Mamba-2 gated norm)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype; params are fp32
+    mamba: MambaConfig = MambaConfig()  # settings of every "mamba" layer
+    mamba2: Mamba2Config = Mamba2Config()  # settings of every "mamba2" layer
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if not self.block_pattern:
+            raise ValueError("model.block_pattern must name at least one mixer kind")
+        for kind in self.block_pattern:
+            if kind not in MIXER_KINDS:
+                raise ValueError(f"unknown mixer kind {kind!r} in model.block_pattern; known: {MIXER_KINDS}")
+        if self.n_layer % len(self.block_pattern):
+            raise ValueError(
+                f"model.n_layer={self.n_layer} must be a multiple of "
+                f"len(model.block_pattern)={len(self.block_pattern)}"
+            )
+        if "mamba2" in self.block_pattern:
+            m2 = self.mamba2
+            d_inner = m2.expand * self.d_model
+            if d_inner % m2.headdim:
+                raise ValueError(f"d_inner={d_inner} must be a multiple of mamba2.headdim={m2.headdim}")
+            if (d_inner // m2.headdim) % m2.ngroups:
+                raise ValueError(
+                    f"n_heads={d_inner // m2.headdim} must be a multiple of mamba2.ngroups={m2.ngroups}"
+                )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding rows: vocab_size rounded up to pad_vocab_size_multiple."""
+        m = self.pad_vocab_size_multiple
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def mixer_kinds(self) -> tuple[str, ...]:
+        """The mixer kind of every layer."""
+        return tuple(self.block_pattern[i % len(self.block_pattern)] for i in range(self.n_layer))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything a run needs; `configs/<name>.py` returns one from `get_config()`."""
+
+    model: ModelConfig = ModelConfig()  # the network
+    seed: int = 0  # parameter init seed
+    workdir: str = ""  # where checkpoints and metrics go
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def apply_overrides(cfg: Any, overrides: typing.Sequence[str]) -> Any:
+    """Returns `cfg` with dotted `key=value` overrides applied, each parsed to its field's type."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        cfg = _replace_path(cfg, key.split("."), raw, key)
+    return cfg
+
+
+def _replace_path(obj: Any, path: list[str], raw: str, key: str) -> Any:
+    """Replaces the field at `path` in the dataclass `obj` by `raw` parsed to its type."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    if path[0] not in names:
+        raise ValueError(f"unknown config key {key!r}: {type(obj).__name__} has no field {path[0]!r} "
+                         f"(fields: {', '.join(names)})")
+    hint = typing.get_type_hints(type(obj))[path[0]]
+    if len(path) == 1:
+        if dataclasses.is_dataclass(hint):
+            raise ValueError(f"config key {key!r} is a section; set one of its fields, e.g. {key}.<field>=...")
+        value = parse_value(raw, hint, key)
+    else:
+        child = getattr(obj, path[0])
+        if not dataclasses.is_dataclass(child):
+            raise ValueError(f"unknown config key {key!r}: {path[0]!r} is a {hint} field, not a section")
+        value = _replace_path(child, path[1:], raw, key)
+    return dataclasses.replace(obj, **{path[0]: value})
+
+
+def parse_value(raw: str, hint: Any, key: str) -> Any:
+    """Parses the command-line string `raw` as type `hint`; errors name `key` and `raw`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    bad = ValueError(f"config key {key!r} expects {_type_name(hint)}, got {raw!r}")
+    text = raw.strip()
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and text.lower() in ("none", "null"):
+            return None
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    return parse_value(raw, arg, key)
+                except ValueError:
+                    pass
+        raise bad
+    if origin is Literal:
+        if text not in args:
+            raise ValueError(f"config key {key!r} must be one of {args}, got {raw!r}")
+        return text
+    if origin is tuple:
+        items = [s.strip().strip("'\"") for s in text.strip("()[]").split(",") if s.strip()]
+        types_ = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(types_) != len(items):
+            raise bad
+        return tuple(parse_value(s, t, key) for s, t in zip(items, types_))
+    if hint is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise bad
+    if hint in (int, float, str):
+        try:
+            return hint(text)
+        except ValueError:
+            raise bad from None
+    raise ValueError(f"config key {key!r} has a type ({_type_name(hint)}) that cannot be set from the CLI")
+
+
+def _type_name(hint: Any) -> str:
+    """A readable name of a type hint."""
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as a JSON-ready nested dict."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict, *, where: str = "") -> Any:
+    """Builds dataclass `cls` from a nested dict (as written by `to_dict`); unknown keys are errors."""
+    hints = typing.get_type_hints(cls)
+    unknown = set(data) - set(hints)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(where + k for k in unknown)} for {cls.__name__}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            value = from_dict(hint, value, where=f"{where}{name}.")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def save_json(cfg: Any, path: str | Path) -> None:
+    """Writes the resolved config as JSON."""
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+
+
+def load_json(cls: type, path: str | Path) -> Any:
+    """Reads a config written by `save_json`."""
+    return from_dict(cls, json.loads(Path(path).read_text()))
+
+
+def load_config_file(path: str | Path) -> Config:
+    """Runs `configs/<name>.py` and returns its `get_config()`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_hax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {str(path)!r} defines no get_config()")
+    return module.get_config()

@@ -1,0 +1,1 @@
+"""Layers: norms, the causal conv, and the sequence mixers."""

@@ -1,0 +1,73 @@
+"""Depthwise causal conv1d over (b, l, c), with its window as explicit state."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def torch_linear_init(fan_in: int, scale: float = 1.0):
+    """PyTorch's default Linear/Conv init, U(+-1/sqrt(fan_in)), optionally scaled (mamba_ssm keeps it)."""
+    bound = scale / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+class CausalConv1d(nnx.Module):
+    """Depthwise causal conv: y_t = bias + sum_j kernel[j] * x_{t - (width - 1) + j}, per channel.
+
+    The state is the previous `width - 1` inputs (zeros at the start of a sequence), so a sequence may be
+    processed in pieces, or one token at a time, with the same result.
+    """
+
+    def __init__(self, channels: int, width: int, *, use_bias: bool = True, rngs: nnx.Rngs):
+        init = torch_linear_init(width)  # torch Conv1d with groups=channels: fan_in = width
+        self.kernel = nnx.Param(init(rngs.params(), (width, channels)))
+        self.bias = nnx.Param(init(rngs.params(), (channels,))) if use_bias else None
+        self.width = width
+
+    def init_state(self, batch: int, dtype) -> jax.Array:
+        """The zero window (b, width - 1, c)."""
+        return jnp.zeros((batch, self.width - 1, self.kernel.shape[1]), dtype)
+
+    def __call__(
+        self, x: jax.Array, *, state: jax.Array | None = None, seq_idx: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """x (b, l, c), state (b, width-1, c), seq_idx (b, l) -> (y (b, l, c), new state).
+
+        With `seq_idx`, no window reaches across a document boundary; the incoming state belongs to
+        the first document of the row.
+        """
+        b, l, c = x.shape
+        k = self.width
+        if state is None:
+            state = self.init_state(b, x.dtype)
+        xp = jnp.concatenate([state.astype(x.dtype), x], axis=1).astype(jnp.float32)
+        kernel = self.kernel[...].astype(jnp.float32)
+        if seq_idx is not None:
+            seq_p = jnp.concatenate([jnp.repeat(seq_idx[:, :1], k - 1, axis=1), seq_idx], axis=1)
+        y = jnp.zeros((b, l, c), jnp.float32)
+        for j in range(k):  # tap j reads x_{t - (k-1) + j}
+            tap = xp[:, j : j + l] * kernel[j]
+            if seq_idx is not None:
+                tap = jnp.where((seq_p[:, j : j + l] == seq_idx)[..., None], tap, 0.0)
+            y = y + tap
+        if self.bias is not None:
+            y = y + self.bias[...]
+        new_state = xp[:, xp.shape[1] - (k - 1) :]
+        if seq_idx is not None:  # the next token continues the last document only
+            keep = seq_p[:, seq_p.shape[1] - (k - 1) :] == seq_idx[:, -1:]
+            new_state = jnp.where(keep[..., None], new_state, 0.0)
+        return y.astype(x.dtype), new_state.astype(x.dtype)
+
+    def step(self, x: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One token: x (b, c), state (b, width-1, c) -> (y (b, c), new state)."""
+        window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1).astype(jnp.float32)
+        y = jnp.einsum("bkc,kc->bc", window, self.kernel[...].astype(jnp.float32))
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(x.dtype), window[:, 1:].astype(x.dtype)

@@ -1,0 +1,105 @@
+"""The Mamba-1 (S6) mixer, exactly the official block (Mamba paper §3.4; mamba_ssm `Mamba`)."""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hax_jax.config import ModelConfig
+from hax_jax.layers.conv import CausalConv1d, torch_linear_init
+from pallas_kernels.selective_scan import selective_scan
+
+
+class MambaCache(NamedTuple):
+    """Decode state of one Mamba layer."""
+
+    conv: jax.Array  # (b, d_conv - 1, d_inner): the last pre-conv inputs
+    ssm: jax.Array  # (b, d_inner, d_state), fp32
+
+
+def dt_bias_init(dt_min: float, dt_max: float, floor: float):
+    """Inverse softplus of a log-uniform dt in [dt_min, dt_max], clamped at `floor` (official init)."""
+
+    def init(key, shape, dtype=jnp.float32):
+        u = jax.random.uniform(key, shape, jnp.float32)
+        dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = jnp.maximum(dt, floor)
+        return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+    return init
+
+
+class MambaMixer(nnx.Module):
+    """in_proj -> [x | z]; conv + SiLU on x; x_proj -> [dt | B | C]; selective scan; * SiLU(z); out_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        m = cfg.mamba
+        d, e, n = cfg.d_model, m.expand * cfg.d_model, m.d_state
+        r = m.dt_rank or math.ceil(d / 16)
+        dtype = jnp.dtype(cfg.dtype)
+        self.d_inner, self.d_state, self.dt_rank, self.dtype = e, n, r, dtype
+        self.scan_impl = m.scan_impl
+
+        def linear(i, o, *, bias, **kw):
+            kw.setdefault("kernel_init", torch_linear_init(i))
+            return nnx.Linear(i, o, use_bias=bias, dtype=dtype, rngs=rngs, **kw)
+
+        self.in_proj = linear(d, 2 * e, bias=m.bias)
+        self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
+        self.x_proj = linear(e, r + 2 * n, bias=False)
+        self.dt_proj = linear(
+            r, e, bias=True,
+            kernel_init=torch_linear_init(1, scale=m.dt_scale / math.sqrt(r)),  # U(+-dt_scale/sqrt(R))
+            bias_init=dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor),
+        )
+        # S4D-real init: A = -(1..N) for every channel, stored as log.
+        self.A_log = nnx.Param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))))
+        self.D = nnx.Param(jnp.ones((e,), jnp.float32))
+        # mamba_ssm rescales out_proj by 1/sqrt(n_layer) (rescale_prenorm_residual).
+        self.out_proj = linear(e, d, bias=m.bias, kernel_init=torch_linear_init(e, 1 / math.sqrt(cfg.n_layer)))
+
+    def init_cache(self, batch: int) -> MambaCache:
+        """The cache at the start of a sequence."""
+        return MambaCache(
+            conv=self.conv1d.init_state(batch, self.dtype),
+            ssm=jnp.zeros((batch, self.d_inner, self.d_state), jnp.float32),
+        )
+
+    def _dt_B_C(self, x: jax.Array):
+        """x (..., e) post-conv -> dt (..., e) fp32 positive, B, C (..., n)."""
+        dt_raw, B, C = jnp.split(self.x_proj(x), [self.dt_rank, self.dt_rank + self.d_state], axis=-1)
+        dt = jax.nn.softplus(self.dt_proj(dt_raw).astype(jnp.float32))  # the bias sits inside softplus
+        return dt, B, C
+
+    def __call__(
+        self, u: jax.Array, *, cache: MambaCache | None = None, seq_idx: jax.Array | None = None
+    ) -> tuple[jax.Array, MambaCache]:
+        """Parallel mode: u (b, l, d) -> (out (b, l, d), cache after the last token)."""
+        if seq_idx is not None:
+            raise ValueError("seq_idx (packed documents) is supported by mamba2 layers only, not mamba")
+        x, z = jnp.split(self.in_proj(u), 2, axis=-1)
+        x, conv_state = self.conv1d(x, state=None if cache is None else cache.conv)
+        x = jax.nn.silu(x)
+        dt, B, C = self._dt_B_C(x)
+        y, ssm_state = selective_scan(
+            x, dt, -jnp.exp(self.A_log[...]), B, C, D=self.D[...], z=z,
+            initial_state=None if cache is None else cache.ssm,
+            return_final_state=True, impl=self.scan_impl,
+        )
+        return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, ssm_state)
+
+    def step(self, u: jax.Array, cache: MambaCache) -> tuple[jax.Array, MambaCache]:
+        """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
+        x, z = jnp.split(self.in_proj(u), 2, axis=-1)
+        x, conv_state = self.conv1d.step(x, cache.conv)
+        x = jax.nn.silu(x)
+        dt, B, C = self._dt_B_C(x)
+        x32 = x.astype(jnp.float32)
+        # h_t = exp(dt A) h_{t-1} + dt B x_t (Euler B, as the official code); y = C.h + D x.
+        dA = jnp.exp(dt[:, :, None] * -jnp.exp(self.A_log[...]))
+        h = cache.ssm * dA + (dt * x32)[:, :, None] * B.astype(jnp.float32)[:, None, :]
+        y = jnp.einsum("ben,bn->be", h, C.astype(jnp.float32)) + self.D[...] * x32
+        y = y * jax.nn.silu(z.astype(jnp.float32))
+        return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h)

@@ -1,0 +1,103 @@
+"""The Mamba-2 (SSD) mixer, exactly the official block (Mamba-2 paper §7; mamba_ssm `Mamba2`)."""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hax_jax.config import ModelConfig
+from hax_jax.layers.conv import CausalConv1d, torch_linear_init
+from hax_jax.layers.mamba import dt_bias_init
+from hax_jax.layers.norms import GatedRMSNorm
+from pallas_kernels.ssd import ssd
+
+
+class Mamba2Cache(NamedTuple):
+    """Decode state of one Mamba-2 layer."""
+
+    conv: jax.Array  # (b, d_conv - 1, d_inner + 2 G N): the last pre-conv [x | B | C] inputs
+    ssm: jax.Array  # (b, n_heads, headdim, d_state), fp32
+
+
+class Mamba2Mixer(nnx.Module):
+    """in_proj -> [z | xBC | dt]; conv + SiLU on xBC; SSD over heads; gated grouped RMSNorm; out_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        m = cfg.mamba2
+        d, e = cfg.d_model, m.expand * cfg.d_model
+        h, g, n = e // m.headdim, m.ngroups, m.d_state
+        dtype = jnp.dtype(cfg.dtype)
+        self.d_inner, self.n_heads, self.headdim, self.ngroups, self.d_state = e, h, m.headdim, g, n
+        self.conv_dim = e + 2 * g * n
+        self.dtype, self.chunk_size, self.ssd_impl, self.dt_limit = dtype, m.chunk_size, m.ssd_impl, m.dt_limit
+
+        def linear(i, o, scale=1.0):
+            init = torch_linear_init(i, scale)
+            return nnx.Linear(i, o, use_bias=m.bias, dtype=dtype, kernel_init=init, rngs=rngs)
+
+        self.in_proj = linear(d, 2 * e + 2 * g * n + h)
+        self.conv1d = CausalConv1d(self.conv_dim, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
+        self.dt_bias = nnx.Param(dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,)))
+        lo, hi = m.A_init_range
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, lo, hi)))
+        self.D = nnx.Param(jnp.ones((h,), jnp.float32))
+        self.norm = GatedRMSNorm(e, group_size=e // g, eps=cfg.norm_eps)
+        self.out_proj = linear(e, d, scale=1 / math.sqrt(cfg.n_layer))  # rescale_prenorm_residual
+
+    def init_cache(self, batch: int) -> Mamba2Cache:
+        """The cache at the start of a sequence."""
+        return Mamba2Cache(
+            conv=self.conv1d.init_state(batch, self.dtype),
+            ssm=jnp.zeros((batch, self.n_heads, self.headdim, self.d_state), jnp.float32),
+        )
+
+    def _split(self, zxbcdt: jax.Array):
+        """in_proj output -> z (..., e), xBC (..., conv_dim), dt (..., h) fp32 positive."""
+        z, xBC, dt = jnp.split(zxbcdt, [self.d_inner, self.d_inner + self.conv_dim], axis=-1)
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])
+        return z, xBC, jnp.clip(dt, *self.dt_limit)
+
+    def _x_B_C(self, xBC: jax.Array):
+        """Post-conv xBC (..., conv_dim) -> x (..., h, p), B, C (..., g, n)."""
+        gn = self.ngroups * self.d_state
+        x, B, C = jnp.split(xBC, [self.d_inner, self.d_inner + gn], axis=-1)
+        lead = xBC.shape[:-1]
+        return (x.reshape(*lead, self.n_heads, self.headdim),
+                B.reshape(*lead, self.ngroups, self.d_state), C.reshape(*lead, self.ngroups, self.d_state))
+
+    def __call__(
+        self, u: jax.Array, *, cache: Mamba2Cache | None = None, seq_idx: jax.Array | None = None
+    ) -> tuple[jax.Array, Mamba2Cache]:
+        """Parallel mode: u (b, l, d) -> (out (b, l, d), cache after the last token).
+
+        `seq_idx` (b, l) marks packed documents: no state and no conv window crosses a boundary.
+        """
+        b, l, _ = u.shape
+        z, xBC, dt = self._split(self.in_proj(u))
+        xBC, conv_state = self.conv1d(xBC, state=None if cache is None else cache.conv, seq_idx=seq_idx)
+        x, B, C = self._x_B_C(jax.nn.silu(xBC))
+        y, ssm_state = ssd(
+            x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=self.chunk_size, D=self.D[...],
+            initial_state=None if cache is None else cache.ssm, return_final_state=True,
+            seq_idx=seq_idx, impl=self.ssd_impl,
+        )
+        y = self.norm(y.reshape(b, l, self.d_inner), z)
+        return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, ssm_state)
+
+    def step(self, u: jax.Array, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:
+        """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
+        z, xBC, dt = self._split(self.in_proj(u))
+        xBC, conv_state = self.conv1d.step(xBC, cache.conv)
+        x, B, C = self._x_B_C(jax.nn.silu(xBC))
+        heads_per_group = self.n_heads // self.ngroups
+        B = jnp.repeat(B.astype(jnp.float32), heads_per_group, axis=1)  # (b, h, n)
+        C = jnp.repeat(C.astype(jnp.float32), heads_per_group, axis=1)
+        x32 = x.astype(jnp.float32)
+        # h_t = exp(dt A) h_{t-1} + dt x_t B_t^T per head; y = h C + D x.
+        dA = jnp.exp(dt * -jnp.exp(self.A_log[...]))  # (b, h)
+        h = cache.ssm * dA[:, :, None, None] + jnp.einsum("bhp,bhn->bhpn", dt[:, :, None] * x32, B)
+        y = jnp.einsum("bhpn,bhn->bhp", h, C) + self.D[...][:, None] * x32
+        y = self.norm(y.reshape(u.shape[0], self.d_inner), z)
+        return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, h)

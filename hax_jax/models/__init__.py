@@ -1,0 +1,1 @@
+"""Models: residual blocks over per-layer mixer kinds, and the language model."""

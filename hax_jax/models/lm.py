@@ -1,0 +1,80 @@
+"""The language model: embeddings -> residual blocks -> final RMSNorm -> tied or separate head."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hax_jax.config import ModelConfig
+from hax_jax.layers.norms import RMSNorm
+from hax_jax.models.blocks import ResidualBlock
+
+
+class LanguageModel(nnx.Module):
+    """A causal LM over int tokens (b, l); logits (b, l, padded_vocab_size) in fp32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = nnx.Embed(
+            cfg.padded_vocab_size, cfg.d_model, dtype=jnp.dtype(cfg.dtype),
+            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        )
+        self.layers = nnx.List([ResidualBlock(kind, cfg, rngs=rngs) for kind in cfg.mixer_kinds])
+        self.norm_f = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+            cfg.d_model, cfg.padded_vocab_size, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs
+        )
+
+    def __call__(self, tokens: jax.Array, *, seq_idx: jax.Array | None = None) -> jax.Array:
+        """tokens (b, l) int -> logits (b, l, padded_vocab_size) fp32."""
+        return self.forward(tokens, seq_idx=seq_idx)[0]
+
+    def init_cache(self, batch: int) -> tuple:
+        """Per-layer caches at the start of a sequence."""
+        return tuple(layer.mixer.init_cache(batch) for layer in self.layers)
+
+    def forward(self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx: jax.Array | None = None):
+        """Parallel mode from `cache` (or a fresh start): tokens (b, l) -> (logits, cache after them).
+
+        Used for training (cache ignored), prefill and chunked prefill.
+        """
+        self._check_tokens(tokens, ndim=2)
+        x = self._embed(tokens)
+        caches = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, cache=None if cache is None else cache[i], seq_idx=seq_idx)
+            caches.append(layer_cache)
+        return self._logits(x), tuple(caches)
+
+    def step(self, tokens: jax.Array, cache: tuple):
+        """Recurrent mode, one token per row: tokens (b,) -> (logits (b, V), cache)."""
+        self._check_tokens(tokens, ndim=1)
+        x = self._embed(tokens)
+        caches = []
+        for layer, layer_cache in zip(self.layers, cache):
+            x, layer_cache = layer.step(x, layer_cache)
+            caches.append(layer_cache)
+        return self._logits(x), tuple(caches)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings, in the residual dtype."""
+        x = self.embedding(tokens)
+        return x.astype(jnp.float32) if self.cfg.residual_in_fp32 else x
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and head, logits in fp32."""
+        x = self.norm_f(x).astype(jnp.dtype(self.cfg.dtype))
+        logits = self.embedding.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+    def _check_tokens(self, tokens: jax.Array, *, ndim: int) -> None:
+        """Shape and dtype always; the id range too when the values are concrete (not under jit)."""
+        if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != ndim:
+            raise ValueError(f"tokens must be integer with {ndim} axes, got {tokens.dtype} {tokens.shape}")
+        if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+            return
+        values = np.asarray(tokens)
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            bad = hi if hi >= self.cfg.vocab_size else lo
+            raise ValueError(f"token id {bad} is out of range [0, vocab_size={self.cfg.vocab_size})")

@@ -1,0 +1,35 @@
+"""Test-wide settings: 8 simulated CPU devices, offline HF, full-precision matmuls, the gpu marker."""
+
+import os
+
+# Before jax is imported anywhere: sharding tests need several (simulated) devices.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("USE_HUB_KERNELS", "0")  # transformers must not fetch kernels from the hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Parity tests compare fp32 numbers with PyTorch; TF32 matmuls (the GPU default) would blur them.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _has_gpu() -> bool:
+    """Whether jax sees a GPU."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips `gpu`-marked tests, visibly, when there is no GPU."""
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

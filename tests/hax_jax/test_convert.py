@@ -1,0 +1,203 @@
+"""Conversion: logits equal to transformers' on tiny random models; HF -> hax_jax -> HF round trip; errors."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hax_jax import convert, load_pretrained  # noqa: E402
+
+LOGIT_ATOL = 2e-4  # fp32, the issue's bar
+
+
+def _randomize(model, seed: int):
+    """Moves every parameter off its init (ones, zeros, aranges) so no mapping error can hide."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def _hf_mamba(tmp_path, *, conv=4, tie=True, bias=False, vocab=64, seed=0):
+    """A tiny random MambaForCausalLM."""
+    cfg = transformers.MambaConfig(
+        hidden_size=32, state_size=8, num_hidden_layers=2, vocab_size=vocab, conv_kernel=conv, expand=2,
+        use_bias=bias, tie_word_embeddings=tie, use_mambapy=False,
+    )
+    torch.manual_seed(seed)
+    return _randomize(transformers.MambaForCausalLM(cfg), seed)
+
+
+def _hf_mamba2(tmp_path, *, groups=1, conv=4, tie=False, chunk=8, vocab=64, seed=0):
+    """A tiny random Mamba2ForCausalLM (4 heads of 16)."""
+    cfg = transformers.Mamba2Config(
+        hidden_size=32, expand=2, num_heads=4, head_dim=16, state_size=8, n_groups=groups,
+        num_hidden_layers=2, vocab_size=vocab, conv_kernel=conv, chunk_size=chunk, tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    return _randomize(transformers.Mamba2ForCausalLM(cfg), seed)
+
+
+def _tokens(vocab: int, length: int = 21, batch: int = 2, seed: int = 0) -> np.ndarray:
+    """Random token ids (b, l); lengths are not a multiple of the chunk sizes used."""
+    return np.random.default_rng(seed).integers(0, vocab, (batch, length))
+
+
+def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    """transformers' logits in fp32."""
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens)).logits.float().numpy()
+
+
+def _save_hf(model, path, fmt: str):
+    """Writes `model` in one of the HF layouts: single or sharded safetensors, or pytorch_model.bin."""
+    if fmt == "bin":
+        path.mkdir(parents=True)
+        model.config.save_pretrained(path)
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+    else:
+        model.save_pretrained(path, max_shard_size="20KB" if fmt == "sharded" else "5GB")
+    return path
+
+
+def _save_mamba_ssm(model, path, *, vocab: int, ssm_cfg: dict):
+    """Writes `model` as an original mamba_ssm checkpoint (config.json + pytorch_model.bin)."""
+    path.mkdir(parents=True)
+    hf = model.config
+    config = dict(d_model=hf.hidden_size, d_intermediate=0, n_layer=hf.num_hidden_layers, vocab_size=vocab,
+                  ssm_cfg=ssm_cfg, attn_layer_idx=[], attn_cfg={}, rms_norm=True, residual_in_fp32=True,
+                  fused_add_norm=True, pad_vocab_size_multiple=8, tie_embeddings=hf.tie_word_embeddings)
+    (path / "config.json").write_text(json.dumps(config))
+    state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in model.state_dict().items()}
+    if hf.tie_word_embeddings:
+        state["lm_head.weight"] = state["backbone.embedding.weight"]
+    torch.save(state, path / "pytorch_model.bin")
+    return path
+
+
+def _check_parity_and_round_trip(hf_model, src, tmp_path, vocab):
+    """CLI convert -> load_pretrained -> logits == HF; --to-hf -> same tensors and logits in transformers."""
+    out = tmp_path / "hax"
+    convert.main([str(src), str(out)])
+    model = load_pretrained(out)
+    tokens = _tokens(vocab)
+    ours = np.asarray(model(jnp.asarray(tokens)))
+    np.testing.assert_allclose(ours, _hf_logits(hf_model, tokens), atol=LOGIT_ATOL, rtol=0)
+
+    back = tmp_path / "hf_again"
+    convert.main([str(out), str(back), "--to-hf"])
+    original = {k.replace("embedding.", "embeddings."): v.numpy() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        original.pop("lm_head.weight", None)
+    again = convert.read_tensors(back)
+    assert sorted(again) == sorted(original)
+    for key, value in original.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    np.testing.assert_allclose(_hf_logits(reloaded, tokens), _hf_logits(hf_model, tokens), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fmt",
+    [
+        (dict(conv=4, tie=True), "safetensors"),
+        (dict(conv=3, tie=False, bias=True), "sharded"),
+        (dict(conv=4, tie=True, vocab=61), "bin"),
+    ],
+    ids=["tied-safetensors", "conv3-untied-bias-sharded", "odd-vocab-bin"],
+)
+def test_mamba_matches_transformers(tmp_path, kwargs, fmt):
+    hf_model = _hf_mamba(tmp_path, **kwargs)
+    src = _save_hf(hf_model, tmp_path / "hf", fmt)
+    _check_parity_and_round_trip(hf_model, src, tmp_path, kwargs.get("vocab", 64))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fmt",
+    [
+        (dict(groups=1, conv=4, tie=False, chunk=8), "safetensors"),
+        (dict(groups=2, conv=3, tie=True, chunk=4), "sharded"),
+        (dict(groups=4, conv=4, tie=False, chunk=16), "bin"),
+    ],
+    ids=["g1-untied-chunk8", "g2-conv3-tied-chunk4-sharded", "g4-chunk16-bin"],
+)
+def test_mamba2_matches_transformers(tmp_path, kwargs, fmt):
+    hf_model = _hf_mamba2(tmp_path, **kwargs)
+    src = _save_hf(hf_model, tmp_path / "hf", fmt)
+    _check_parity_and_round_trip(hf_model, src, tmp_path, 64)
+
+
+def test_mamba_ssm_checkpoints_match_transformers(tmp_path):
+    # vocab 61 padded to a multiple of 8 gives the 64 embedding rows, as mamba_ssm does for 50277 -> 50280.
+    m1 = _hf_mamba(tmp_path, vocab=64, seed=1)
+    src1 = _save_mamba_ssm(m1, tmp_path / "m1", vocab=61, ssm_cfg={"d_state": 8})
+    m2 = _hf_mamba2(tmp_path, groups=2, tie=True, chunk=8, seed=2)
+    src2 = _save_mamba_ssm(m2, tmp_path / "m2", vocab=61, ssm_cfg={
+        "layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8})
+    for hf_model, src in ((m1, src1), (m2, src2)):
+        model = convert.from_pretrained_dir(src)
+        assert model.cfg.vocab_size == 61 and model.cfg.padded_vocab_size == 64
+        tokens = _tokens(61)
+        np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), _hf_logits(hf_model, tokens),
+                                   atol=LOGIT_ATOL, rtol=0)
+
+
+def test_cli_entry_point(tmp_path):
+    hf_model = _hf_mamba(tmp_path)
+    src = _save_hf(hf_model, tmp_path / "hf", "safetensors")
+    out = tmp_path / "hax"
+    result = subprocess.run([sys.executable, "-m", "hax_jax.convert", str(src), str(out)],
+                            capture_output=True, text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    tokens = _tokens(64)
+    np.testing.assert_allclose(np.asarray(load_pretrained(out)(jnp.asarray(tokens))),
+                               _hf_logits(hf_model, tokens), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(convert.ConversionError, match="no config.json"):
+        convert.from_pretrained_dir(tmp_path)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(convert.ConversionError, match="unknown model_type 'llama'"):
+        convert.from_pretrained_dir(tmp_path / "llama")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"hidden_dim": 3}))
+    with pytest.raises(convert.ConversionError, match="not a Mamba config"):
+        convert.from_pretrained_dir(tmp_path / "other")
+
+    hf_model = _hf_mamba(tmp_path)
+    src = _save_hf(hf_model, tmp_path / "hf", "safetensors")
+    cfg = convert.read_config(src)
+    tensors = convert.read_tensors(src)
+    without = {k: v for k, v in tensors.items() if k != "backbone.layers.1.mixer.x_proj.weight"}
+    with pytest.raises(convert.ConversionError, match=r"missing tensors: \['backbone.layers.1.mixer.x_proj.weight'\]"):
+        convert.tensors_to_model(cfg, without)
+    bad = dict(tensors, **{"backbone.layers.0.mixer.A_log": np.zeros((64, 9), np.float32)})
+    with pytest.raises(convert.ConversionError, match=r"'backbone.layers.0.mixer.A_log' has shape \(64, 9\), "
+                                                      r"expected \(64, 8\)"):
+        convert.tensors_to_model(cfg, bad)
+    extra = dict(tensors, **{"backbone.layers.0.mixer.q_proj.weight": np.zeros((2, 2), np.float32)})
+    with pytest.raises(convert.ConversionError, match="unexpected tensors"):
+        convert.tensors_to_model(cfg, extra)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(convert.ConversionError, match="holds no weights"):
+        convert.from_pretrained_dir(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="not a hax_jax checkpoint"):
+        load_pretrained(src)
+
+    model = convert.from_pretrained_dir(src)
+    with pytest.raises(ValueError, match=r"token id 64 is out of range \[0, vocab_size=64\)"):
+        model(jnp.array([[1, 64]]))
+    with pytest.raises(ValueError, match="token id -1"):
+        model(jnp.array([[1, -1]]))
+    with pytest.raises(ValueError, match="tokens must be integer with 2 axes"):
+        model(jnp.zeros((2, 3)))
