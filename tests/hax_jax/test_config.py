@@ -1,0 +1,84 @@
+"""Configs: overrides parse to the field's type or fail naming the key; every config builds; param counts."""
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import pytest
+from flax import nnx
+
+from hax_jax import config as config_lib
+from hax_jax.checkpoint import abstract_model
+from hax_jax.config import Config, ModelConfig
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.py"))
+
+# PAPERS.md §4.2 (tied embeddings; vocab padded to 50280 / 50288), in millions, as printed.
+# Compared at the printed precision.
+RELEASED_PARAMS_M = {
+    "mamba_130m": "129.1", "mamba_370m": "371.5", "mamba_790m": "793.2", "mamba_1_4b": "1372",
+    "mamba_2_8b": "2768", "mamba2_130m": "129.0", "mamba2_780m": "780.2", "mamba2_1_3b": "1343.8",
+    "mamba2_2_7b": "2702.6",
+}
+
+
+def _param_count(cfg: ModelConfig) -> int:
+    """Parameters of the model, from shapes only (nothing allocated)."""
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+
+
+def test_overrides_parse_to_field_types():
+    cfg = config_lib.apply_overrides(Config(), [
+        "seed=3", "workdir=/tmp/run", "model.d_model=128", "model.norm_eps=1e-6", "model.tie_embeddings=false",
+        "model.block_pattern=mamba2,mamba", "model.dtype=bfloat16", "model.mamba.dt_rank=none",
+        "model.mamba2.dt_limit=(0.001, inf)", "model.mamba2.chunk_size=64",
+    ])
+    assert cfg.seed == 3 and cfg.workdir == "/tmp/run"
+    m = cfg.model
+    assert (m.d_model, m.norm_eps, m.tie_embeddings, m.dtype) == (128, 1e-6, False, "bfloat16")
+    assert m.block_pattern == ("mamba2", "mamba") and m.mamba.dt_rank is None
+    assert m.mamba2.dt_limit == (0.001, math.inf) and m.mamba2.chunk_size == 64
+    assert config_lib.apply_overrides(cfg, ["model.mamba.dt_rank=5"]).model.mamba.dt_rank == 5
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.d_modle=3", "unknown config key 'model.d_modle'"),
+    ("nope=1", "unknown config key 'nope'"),
+    ("model.d_model=1.5", "config key 'model.d_model' expects int, got '1.5'"),
+    ("model.tie_embeddings=maybe", "config key 'model.tie_embeddings' expects bool, got 'maybe'"),
+    ("model.dtype=float8", r"config key 'model.dtype' must be one of \('float32', 'bfloat16', 'float16'\)"),
+    ("model.mamba2.dt_limit=(1,2,3)", "config key 'model.mamba2.dt_limit' expects"),
+    ("model=3", "config key 'model' is a section"),
+    ("model.d_model.x=3", "unknown config key 'model.d_model.x'"),
+    ("seed", "is not of the form key=value"),
+    ("model.block_pattern=mamba,transformer", "unknown mixer kind 'transformer'"),
+    ("model.block_pattern=mamba,mamba2,mamba,mamba2,mamba", r"n_layer=24 must be a multiple of len\(model.block_pattern\)=5"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.apply_overrides(Config(), [override])
+
+
+def test_json_round_trip(tmp_path):
+    cfg = config_lib.apply_overrides(Config(), ["model.block_pattern=mamba2,mamba", "model.mamba2.ngroups=2"])
+    config_lib.save_json(cfg, tmp_path / "c.json")
+    assert config_lib.load_json(Config, tmp_path / "c.json") == cfg
+    with pytest.raises(ValueError, match=r"unknown config keys \['model.bogus'\]"):
+        config_lib.from_dict(Config, {"model": {"bogus": 1}})
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_config_builds(path):
+    cfg = config_lib.load_config_file(path)
+    assert isinstance(cfg, Config) and dataclasses.is_dataclass(cfg.model)
+    count = _param_count(cfg.model)
+    if path.stem in RELEASED_PARAMS_M:
+        expected = RELEASED_PARAMS_M[path.stem]
+        decimals = len(expected.partition(".")[2])
+        assert f"{count / 1e6:.{decimals}f}" == expected, f"{path.stem}: {count:,} parameters"
+
+
+def test_released_configs_are_all_checked():
+    assert set(RELEASED_PARAMS_M) <= {p.stem for p in CONFIGS}
