@@ -51,8 +51,10 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> LanguageMo
         cfg = config_lib.apply_overrides(cfg, [f"dtype={dtype}"])
     model = abstract_model(cfg)
     graphdef, abstract_state = nnx.split(model, nnx.Param)
+    # An explicit sharding: a checkpoint written on another platform (CPU -> GPU) restores here.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract_state)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(abstract_state)
     )
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(path / PARAMS_DIR, target)

@@ -1,5 +1,6 @@
 """Conversion: logits equal to transformers' on tiny random models; HF -> hax_jax -> HF round trip; errors."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -35,8 +36,18 @@ def _hf_mamba(tmp_path, *, conv=4, tie=True, bias=False, vocab=64, seed=0):
     return _randomize(transformers.MambaForCausalLM(cfg), seed)
 
 
+def _hf_groups_its_norm() -> bool:
+    """Whether this transformers' Mamba2 gated RMSNorm is grouped like mamba_ssm's (fixed after 5.17)."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    return "group_size" in inspect.signature(modeling_mamba2.MambaRMSNormGated.__init__).parameters
+
+
 def _hf_mamba2(tmp_path, *, groups=1, conv=4, tie=False, chunk=8, vocab=64, seed=0):
     """A tiny random Mamba2ForCausalLM (4 heads of 16)."""
+    if groups > 1 and not _hf_groups_its_norm():
+        pytest.skip(f"transformers {transformers.__version__} normalises Mamba2 over all groups at once; "
+                    "mamba_ssm (and hax_jax) normalise each group: no reference for n_groups > 1")
     cfg = transformers.Mamba2Config(
         hidden_size=32, expand=2, num_heads=4, head_dim=16, state_size=8, n_groups=groups,
         num_hidden_layers=2, vocab_size=vocab, conv_kernel=conv, chunk_size=chunk, tie_word_embeddings=tie,
