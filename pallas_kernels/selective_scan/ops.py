@@ -3,24 +3,12 @@
 import functools
 
 import jax
-import jax.numpy as jnp
 
+from ..checks import check_float, check_shape
 from .associative import selective_scan_associative
 from .reference import selective_scan_reference
 
 IMPLS = ("associative", "reference")
-
-
-def _check_shape(name, arr, shape, desc):
-    """Raise ValueError naming `arr` if its shape is not `shape` (described by `desc`)."""
-    if tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {desc} = {tuple(shape)}, got {arr.shape}")
-
-
-def _check_float(name, arr):
-    """Raise ValueError naming `arr` unless it has a floating dtype."""
-    if not jnp.issubdtype(arr.dtype, jnp.floating):
-        raise ValueError(f"{name} must have a floating dtype (fp32 or bf16), got {arr.dtype}")
 
 
 def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
@@ -35,11 +23,11 @@ def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
     if A.ndim != 2 or A.shape[0] != d:
         raise ValueError(f"A must have shape (d, n) with d = {d}, got {A.shape}")
     n = A.shape[1]
-    _check_shape("dt", dt, (b, l, d), "(b, l, d)")
-    _check_shape("B", B, (b, l, n), "(b, l, n)")
-    _check_shape("C", C, (b, l, n), "(b, l, n)")
+    check_shape("dt", dt, (b, l, d), "(b, l, d)")
+    check_shape("B", B, (b, l, n), "(b, l, n)")
+    check_shape("C", C, (b, l, n), "(b, l, n)")
     for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
-        _check_float(name, arr)
+        check_float(name, arr)
     optional = (
         ("D", D, (d,), "(d,)"),
         ("z", z, (b, l, d), "(b, l, d)"),
@@ -47,8 +35,8 @@ def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
     )
     for name, arr, shape, desc in optional:
         if arr is not None:
-            _check_shape(name, arr, shape, desc)
-            _check_float(name, arr)
+            check_shape(name, arr, shape, desc)
+            check_float(name, arr)
     return b, l, d, n
 
 

@@ -5,22 +5,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..checks import check_float, check_shape
 from .chunked import ssd_chunked
 from .reference import ssd_reference, ssd_sequential
 
 IMPLS = ("chunked", "reference", "sequential")
-
-
-def _check_shape(name, arr, shape, desc):
-    """Raise ValueError naming `arr` if its shape is not `shape` (described by `desc`)."""
-    if tuple(arr.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {desc} = {tuple(shape)}, got {arr.shape}")
-
-
-def _check_float(name, arr):
-    """Raise ValueError naming `arr` unless it has a floating dtype."""
-    if not jnp.issubdtype(arr.dtype, jnp.floating):
-        raise ValueError(f"{name} must have a floating dtype (fp32 or bf16), got {arr.dtype}")
 
 
 def _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl):
@@ -32,25 +21,25 @@ def _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl):
     if x.ndim != 4:
         raise ValueError(f"x must have shape (b, l, h, p), got {x.shape}")
     b, l, h, p = x.shape
-    _check_shape("dt", dt, (b, l, h), "(b, l, h)")
-    _check_shape("A", A, (h,), "(h,)")
+    check_shape("dt", dt, (b, l, h), "(b, l, h)")
+    check_shape("A", A, (h,), "(h,)")
     if B.ndim != 4 or B.shape[:2] != (b, l):
         raise ValueError(f"B must have shape (b, l, g, n) with (b, l) = {(b, l)}, got {B.shape}")
     g, n = B.shape[2:]
-    _check_shape("C", C, (b, l, g, n), "(b, l, g, n)")
+    check_shape("C", C, (b, l, g, n), "(b, l, g, n)")
     if g == 0 or h % g != 0:
         raise ValueError(f"heads h = {h} must be a multiple of groups g = {g}")
     for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
-        _check_float(name, arr)
+        check_float(name, arr)
     for name, arr, shape, desc in (
         ("D", D, (h,), "(h,)"),
         ("initial_state", initial_state, (b, h, p, n), "(b, h, p, n)"),
     ):
         if arr is not None:
-            _check_shape(name, arr, shape, desc)
-            _check_float(name, arr)
+            check_shape(name, arr, shape, desc)
+            check_float(name, arr)
     if seq_idx is not None:
-        _check_shape("seq_idx", seq_idx, (b, l), "(b, l)")
+        check_shape("seq_idx", seq_idx, (b, l), "(b, l)")
         if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
             raise ValueError(f"seq_idx must have an integer dtype, got {seq_idx.dtype}")
     return b, l, h, p, g, n
