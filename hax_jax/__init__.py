@@ -1,8 +1,9 @@
 """hax-jax: Mamba, Mamba-2 and HAX sparse-attention hybrids in JAX / Flax NNX."""
 
 from hax_jax.checkpoint import load_pretrained, save_pretrained
-from hax_jax.config import Config, Mamba2Config, MambaConfig, ModelConfig
+from hax_jax.config import Config, Mamba2Config, MambaConfig, ModelConfig, SparseConfig
 from hax_jax.models.lm import LanguageModel
+from pallas_kernels.sparse_attention import sparse_attention
 
 __all__ = [
     "Config",
@@ -10,6 +11,8 @@ __all__ = [
     "Mamba2Config",
     "MambaConfig",
     "ModelConfig",
+    "SparseConfig",
     "load_pretrained",
     "save_pretrained",
+    "sparse_attention",
 ]

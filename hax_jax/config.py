@@ -13,7 +13,69 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-MIXER_KINDS = ("mamba", "mamba2")
+MIXER_KINDS = ("mamba", "mamba2", "attention", "swa", "mlp", "infini")
+SPARSE_COMPONENTS = ("sw", "sink", "dilated", "lsh", "ks", "full")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseConfig:
+    """The sparse-attention branch beside every mamba / mamba2 mixer (HAX paper §4; SPEC §1.3)."""
+
+    pattern: str = ""  # "" = no branch; else '+'-joined components of SPARSE_COMPONENTS ("lsh+ks" = HAX)
+    num_keys: int = 64  # keys per query over all components; each gets num_keys // n_components
+    hash_bits: int = 8  # lsh: h random projections (2^h sign-bit buckets, or h argmax buckets)
+    binning: Literal["sign", "argmax"] = "sign"  # lsh bucket rule (paper eqs. 6-7)
+    max_len: int = 1058  # dilated: dilation = max_len // (keys per component)
+    rank_loss_weight: float = 0.1  # alpha in L = L_task + alpha * sum_layers L_rank
+    eval_hash_seed: int = 0  # the fixed hash projection used in evaluation
+    official_code: bool = False  # the official code's (leaky, dense) behaviours instead of the paper's
+    decode_capacity: int = 4096  # tokens the decode cache holds (keys, values, buckets)
+
+    def __post_init__(self):
+        if self.pattern:
+            parts = self.pattern.split("+")
+            for part in parts:
+                if part not in SPARSE_COMPONENTS:
+                    raise ValueError(f"unknown sparse component {part!r} in sparse.pattern={self.pattern!r}; "
+                                     f"known: {SPARSE_COMPONENTS}")
+            if len(set(parts)) != len(parts):
+                raise ValueError(f"sparse.pattern={self.pattern!r} repeats a component")
+            if "full" in parts and len(parts) > 1:
+                raise ValueError(f"sparse.pattern={self.pattern!r}: 'full' cannot be combined")
+            if self.num_keys < len(parts):
+                raise ValueError(f"sparse.num_keys={self.num_keys} is below the {len(parts)} components")
+        if self.hash_bits < 1 or (self.binning == "sign" and self.hash_bits > 30):
+            raise ValueError(f"sparse.hash_bits={self.hash_bits} must be in [1, 30] for sign binning")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """Multi-head causal attention with RoPE ("attention"), and its sliding-window form ("swa")."""
+
+    n_heads: int = 4  # query/key/value heads
+    head_dim: int | None = None  # None = d_model // n_heads
+    rope_theta: float = 10000.0  # RoPE base
+    window: int = 64  # swa: each query sees itself and the window - 1 keys before it
+    qkv_bias: bool = False  # bias in the q/k/v projections
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MlpConfig:
+    """The SwiGLU MLP block ("mlp")."""
+
+    hidden_ratio: float = 4.0  # d_ff = 2/3 * hidden_ratio * d_model, rounded up to a multiple of 256 ...
+    d_ff: int | None = None  # ... unless given here
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InfiniConfig:
+    """Infini-attention ("infini"): local causal attention per segment plus a compressive memory."""
+
+    n_heads: int = 4  # heads, each with its own memory and gate
+    head_dim: int | None = None  # None = d_model // n_heads
+    segment_len: int = 64  # N: tokens per segment
+    update: Literal["linear", "delta"] = "linear"  # memory update rule (Infini paper eqs. 8-9)
+    rope_theta: float = 10000.0  # RoPE for the local attention only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +134,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype; params are fp32
     mamba: MambaConfig = MambaConfig()  # settings of every "mamba" layer
     mamba2: Mamba2Config = Mamba2Config()  # settings of every "mamba2" layer
+    sparse: SparseConfig = SparseConfig()  # the sparse-attention branch of every mamba / mamba2 layer
+    attention: AttentionConfig = AttentionConfig()  # settings of every "attention" / "swa" layer
+    mlp: MlpConfig = MlpConfig()  # settings of every "mlp" layer
+    infini: InfiniConfig = InfiniConfig()  # settings of every "infini" layer
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
@@ -229,14 +295,15 @@ def load_json(cls: type, path: str | Path) -> Any:
     return from_dict(cls, json.loads(Path(path).read_text()))
 
 
-def load_config_file(path: str | Path) -> Config:
-    """Runs `configs/<name>.py` and returns its `get_config()`."""
-    path = Path(path)
+def load_config_file(spec: str | Path) -> Config:
+    """Runs `configs/<name>.py` and returns its `get_config()`; `configs/<name>.py:<arg>` passes `arg`."""
+    path_text, _, arg = str(spec).partition(".py:")
+    path = Path(path_text + ".py") if arg else Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_hax_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module_spec = importlib.util.spec_from_file_location(f"_hax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {str(path)!r} defines no get_config()")
-    return module.get_config()
+    return module.get_config(arg) if arg else module.get_config()

@@ -9,6 +9,7 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
+from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
 from pallas_kernels.selective_scan import selective_scan
 
 
@@ -17,6 +18,7 @@ class MambaCache(NamedTuple):
 
     conv: jax.Array  # (b, d_conv - 1, d_inner): the last pre-conv inputs
     ssm: jax.Array  # (b, d_inner, d_state), fp32
+    sparse: SparseAttentionCache | None = None  # the sparse branch's keys, values, buckets, running top-k
 
 
 def dt_bias_init(dt_min: float, dt_max: float, floor: float):
@@ -29,6 +31,11 @@ def dt_bias_init(dt_min: float, dt_max: float, floor: float):
         return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
     return init
+
+
+def sparse_branch(cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
+    """The HAX sparse-attention branch when cfg.sparse.pattern is set, else None."""
+    return HaxBranch(cfg, d_inner=d_inner, d_state=d_state, rngs=rngs) if cfg.sparse.pattern else None
 
 
 class MambaMixer(nnx.Module):
@@ -59,12 +66,14 @@ class MambaMixer(nnx.Module):
         self.D = nnx.Param(jnp.ones((e,), jnp.float32))
         # mamba_ssm rescales out_proj by 1/sqrt(n_layer) (rescale_prenorm_residual).
         self.out_proj = linear(e, d, bias=m.bias, kernel_init=torch_linear_init(e, 1 / math.sqrt(cfg.n_layer)))
+        self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
     def init_cache(self, batch: int) -> MambaCache:
         """The cache at the start of a sequence."""
         return MambaCache(
             conv=self.conv1d.init_state(batch, self.dtype),
             ssm=jnp.zeros((batch, self.d_inner, self.d_state), jnp.float32),
+            sparse=None if self.branch is None else self.branch.init_cache(batch, self.dtype),
         )
 
     def _dt_B_C(self, x: jax.Array):
@@ -74,9 +83,12 @@ class MambaMixer(nnx.Module):
         return dt, B, C
 
     def __call__(
-        self, u: jax.Array, *, cache: MambaCache | None = None, seq_idx: jax.Array | None = None
+        self, u: jax.Array, *, cache: MambaCache | None = None, seq_idx=None, mask=None, rng=None
     ) -> tuple[jax.Array, MambaCache]:
-        """Parallel mode: u (b, l, d) -> (out (b, l, d), cache after the last token)."""
+        """Parallel mode: u (b, l, d) -> (out (b, l, d), cache after the last token).
+
+        With a sparse branch, decoding continues only from a cache that started as `init_cache`.
+        """
         if seq_idx is not None:
             raise ValueError("seq_idx (packed documents) is supported by mamba2 layers only, not mamba")
         x, z = jnp.split(self.in_proj(u), 2, axis=-1)
@@ -88,7 +100,12 @@ class MambaMixer(nnx.Module):
             initial_state=None if cache is None else cache.ssm,
             return_final_state=True, impl=self.scan_impl,
         )
-        return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, ssm_state)
+        sparse_cache = None
+        if self.branch is not None:
+            # HAX with Mamba: y = scan(x) * SiLU(z) + o * E * SiLU(z).
+            o, sparse_cache = self.branch.forward(x, cache, mask=mask, rng=rng)
+            y = y.astype(jnp.float32) + o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, ssm_state, sparse_cache)
 
     def step(self, u: jax.Array, cache: MambaCache) -> tuple[jax.Array, MambaCache]:
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
@@ -101,5 +118,10 @@ class MambaMixer(nnx.Module):
         dA = jnp.exp(dt[:, :, None] * -jnp.exp(self.A_log[...]))
         h = cache.ssm * dA + (dt * x32)[:, :, None] * B.astype(jnp.float32)[:, None, :]
         y = jnp.einsum("ben,bn->be", h, C.astype(jnp.float32)) + self.D[...] * x32
+        sparse_cache = None
+        if self.branch is not None:
+            o, sparse_cache = self.branch.step(x, self.branch.decode_cache(cache))
+            y = y + o.astype(jnp.float32)
         y = y * jax.nn.silu(z.astype(jnp.float32))
-        return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h)
+        return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h, sparse_cache)
+

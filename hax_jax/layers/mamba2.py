@@ -9,7 +9,8 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
-from hax_jax.layers.mamba import dt_bias_init
+from hax_jax.layers.hax_attention import SparseAttentionCache
+from hax_jax.layers.mamba import dt_bias_init, sparse_branch
 from hax_jax.layers.norms import GatedRMSNorm
 from pallas_kernels.ssd import ssd
 
@@ -19,6 +20,7 @@ class Mamba2Cache(NamedTuple):
 
     conv: jax.Array  # (b, d_conv - 1, d_inner + 2 G N): the last pre-conv [x | B | C] inputs
     ssm: jax.Array  # (b, n_heads, headdim, d_state), fp32
+    sparse: SparseAttentionCache | None = None  # the sparse branch's keys, values, buckets, running top-k
 
 
 class Mamba2Mixer(nnx.Module):
@@ -45,12 +47,14 @@ class Mamba2Mixer(nnx.Module):
         self.D = nnx.Param(jnp.ones((h,), jnp.float32))
         self.norm = GatedRMSNorm(e, group_size=e // g, eps=cfg.norm_eps)
         self.out_proj = linear(e, d, scale=1 / math.sqrt(cfg.n_layer))  # rescale_prenorm_residual
+        self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
     def init_cache(self, batch: int) -> Mamba2Cache:
         """The cache at the start of a sequence."""
         return Mamba2Cache(
             conv=self.conv1d.init_state(batch, self.dtype),
             ssm=jnp.zeros((batch, self.n_heads, self.headdim, self.d_state), jnp.float32),
+            sparse=None if self.branch is None else self.branch.init_cache(batch, self.dtype),
         )
 
     def _split(self, zxbcdt: jax.Array):
@@ -68,12 +72,15 @@ class Mamba2Mixer(nnx.Module):
                 B.reshape(*lead, self.ngroups, self.d_state), C.reshape(*lead, self.ngroups, self.d_state))
 
     def __call__(
-        self, u: jax.Array, *, cache: Mamba2Cache | None = None, seq_idx: jax.Array | None = None
+        self, u: jax.Array, *, cache: Mamba2Cache | None = None, seq_idx=None, mask=None, rng=None
     ) -> tuple[jax.Array, Mamba2Cache]:
         """Parallel mode: u (b, l, d) -> (out (b, l, d), cache after the last token).
 
         `seq_idx` (b, l) marks packed documents: no state and no conv window crosses a boundary.
+        With a sparse branch, decoding continues only from a cache that started as `init_cache`.
         """
+        if seq_idx is not None and self.branch is not None:
+            raise ValueError("seq_idx (packed documents) is not supported with a sparse-attention branch")
         b, l, _ = u.shape
         z, xBC, dt = self._split(self.in_proj(u))
         xBC, conv_state = self.conv1d(xBC, state=None if cache is None else cache.conv, seq_idx=seq_idx)
@@ -83,8 +90,14 @@ class Mamba2Mixer(nnx.Module):
             initial_state=None if cache is None else cache.ssm, return_final_state=True,
             seq_idx=seq_idx, impl=self.ssd_impl,
         )
-        y = self.norm(y.reshape(b, l, self.d_inner), z)
-        return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, ssm_state)
+        y = y.reshape(b, l, self.d_inner)
+        sparse_cache = None
+        if self.branch is not None:
+            # HAX with Mamba-2: y = ssd(x) + o * E, then the gated norm.
+            o, sparse_cache = self.branch.forward(x.reshape(b, l, self.d_inner), cache, mask=mask, rng=rng)
+            y = y.astype(jnp.float32) + o.astype(jnp.float32)
+        y = self.norm(y, z)
+        return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, ssm_state, sparse_cache)
 
     def step(self, u: jax.Array, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
@@ -99,5 +112,10 @@ class Mamba2Mixer(nnx.Module):
         dA = jnp.exp(dt * -jnp.exp(self.A_log[...]))  # (b, h)
         h = cache.ssm * dA[:, :, None, None] + jnp.einsum("bhp,bhn->bhpn", dt[:, :, None] * x32, B)
         y = jnp.einsum("bhpn,bhn->bhp", h, C) + self.D[...][:, None] * x32
-        y = self.norm(y.reshape(u.shape[0], self.d_inner), z)
-        return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, h)
+        y = y.reshape(u.shape[0], self.d_inner)
+        sparse_cache = None
+        if self.branch is not None:
+            o, sparse_cache = self.branch.step(x.reshape(u.shape[0], self.d_inner), self.branch.decode_cache(cache))
+            y = y + o.astype(jnp.float32)
+        y = self.norm(y, z)
+        return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, h, sparse_cache)

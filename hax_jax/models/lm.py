@@ -10,6 +10,14 @@ from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 
 
+def rank_loss_sum(intermediates) -> jax.Array:
+    """Sum over layers of the sparse branches' ranking losses, from `nnx.capture(model, nnx.Intermediate)`.
+
+    Training adds cfg.sparse.rank_loss_weight times this to the task loss (HAX paper eq. 18).
+    """
+    return sum((jnp.sum(x) for x in jax.tree.leaves(intermediates)), jnp.zeros((), jnp.float32))
+
+
 class LanguageModel(nnx.Module):
     """A causal LM over int tokens (b, l); logits (b, l, padded_vocab_size) in fp32."""
 
@@ -25,24 +33,30 @@ class LanguageModel(nnx.Module):
             cfg.d_model, cfg.padded_vocab_size, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs
         )
 
-    def __call__(self, tokens: jax.Array, *, seq_idx: jax.Array | None = None) -> jax.Array:
-        """tokens (b, l) int -> logits (b, l, padded_vocab_size) fp32."""
-        return self.forward(tokens, seq_idx=seq_idx)[0]
+    def __call__(self, tokens: jax.Array, *, seq_idx=None, mask=None, rng=None) -> jax.Array:
+        """tokens (b, l) int -> logits (b, l, padded_vocab_size) fp32.
+
+        `mask` (b, l) marks real tokens (padding is False); `rng` switches training behaviour on (the
+        sparse branch resamples its hash projection and sows its ranking loss as nnx.Intermediate).
+        """
+        return self.forward(tokens, seq_idx=seq_idx, mask=mask, rng=rng)[0]
 
     def init_cache(self, batch: int) -> tuple:
         """Per-layer caches at the start of a sequence."""
         return tuple(layer.mixer.init_cache(batch) for layer in self.layers)
 
-    def forward(self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx: jax.Array | None = None):
+    def forward(self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx=None, mask=None, rng=None):
         """Parallel mode from `cache` (or a fresh start): tokens (b, l) -> (logits, cache after them).
 
         Used for training (cache ignored), prefill and chunked prefill.
         """
         self._check_tokens(tokens, ndim=2)
         x = self._embed(tokens)
+        rngs = [None] * len(self.layers) if rng is None else list(jax.random.split(rng, len(self.layers)))
         caches = []
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, cache=None if cache is None else cache[i], seq_idx=seq_idx)
+            layer_cache = None if cache is None else cache[i]
+            x, layer_cache = layer(x, cache=layer_cache, seq_idx=seq_idx, mask=mask, rng=rngs[i])
             caches.append(layer_cache)
         return self._logits(x), tuple(caches)
 

@@ -12,7 +12,8 @@ from hax_jax import config as config_lib
 from hax_jax.checkpoint import abstract_model
 from hax_jax.config import Config, ModelConfig
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.py"))
+CONFIG_DIR = Path(__file__).parents[2] / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.py"))
 
 # PAPERS.md §4.2 (tied embeddings; vocab padded to 50280 / 50288), in millions, as printed.
 # Compared at the printed precision.
@@ -78,6 +79,24 @@ def test_every_config_builds(path):
         expected = RELEASED_PARAMS_M[path.stem]
         decimals = len(expected.partition(".")[2])
         assert f"{count / 1e6:.{decimals}f}" == expected, f"{path.stem}: {count:,} parameters"
+
+
+def test_joint_recall_grid():
+    path = CONFIG_DIR / "joint_recall.py"
+    variants = config_lib.load_config_file(path).model  # the default variant
+    assert variants.sparse.pattern == "lsh+ks"
+    module_variants = ("mamba,none", "mamba,d", "mamba,sw", "mamba,sw+d", "mamba,a", "mamba,lsh", "mamba,ks",
+                       "mamba,hax", "mamba,double", "mamba2,none", "mamba2,hax", "mamba2,double", "samba")
+    counts = {}
+    for variant in module_variants:
+        cfg = config_lib.load_config_file(f"{path}:{variant}")
+        counts[variant] = _param_count(cfg.model)
+    assert config_lib.load_config_file(f"{path}:mamba,sw+d").model.sparse.pattern == "sw+dilated"
+    assert config_lib.load_config_file(f"{path}:samba").model.mixer_kinds == ("mamba", "mlp", "swa", "mlp")
+    # The branch adds few parameters; doubling the width adds many (the paper's fairness argument).
+    assert counts["mamba,none"] < counts["mamba,hax"] < counts["mamba,double"]
+    with pytest.raises(ValueError, match="unknown joint-recall variant 'mamba,xyz'"):
+        config_lib.load_config_file(f"{path}:mamba,xyz")
 
 
 def test_released_configs_are_all_checked():

@@ -61,7 +61,7 @@ def test_step_equals_parallel(kind):
         y, cache = _step(mixer, u[:, t], cache)
         outs.append(y[:, None])
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL[jnp.float32])
-    for got, want in zip(cache, final_cache):
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(final_cache), strict=True):
         np.testing.assert_allclose(got, want, **TOL[jnp.float32])
 
 
@@ -126,7 +126,7 @@ def test_mamba2_packed_documents_equal_separate_runs():
     np.testing.assert_allclose(packed, separate, **TOL[jnp.float32])
     # The cache continues the last document only.
     _, last_cache = _run(mixer, u[:, 17:22])
-    for got, want in zip(cache, last_cache):
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(last_cache), strict=True):
         np.testing.assert_allclose(got, want, **TOL[jnp.float32])
 
 

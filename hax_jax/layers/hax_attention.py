@@ -1,0 +1,190 @@
+"""The sparse-attention branch beside an SSM mixer (HAX paper §4; SPEC §1.3).
+
+On the post-conv activation x (b, l, e): [K | Q] = qk_proj(x), K /= sqrt(N), V = x; o = sparse_attention(Q, K,
+V) over the configured pattern ("lsh+ks" is HAX); the mixer adds o * E (E a learned per-channel gate, init 1).
+The key-selection scorer is an MLP on [stopgrad(k_j), normalize(sum_{p<=j} stopgrad(q_p))], trained only by
+the ranking loss (paper eqs. 15-17), which is sown as `nnx.Intermediate` "rank_loss" when an rng is given
+(collect it with `nnx.capture(model, nnx.Intermediate)`; see models.lm.rank_loss_sum).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hax_jax.config import ModelConfig
+from hax_jax.layers.conv import torch_linear_init
+from pallas_kernels.sparse_attention import (
+    SparseAttentionCache,
+    init_cache,
+    sparse_attention,
+    sparse_attention_step,
+)
+
+
+def l2_normalize(x: jax.Array, axis: int = -1) -> jax.Array:
+    """x / max(||x||, 1e-12) along `axis` (torch.nn.functional.normalize)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=axis, keepdims=True), 1e-12)
+
+
+def ranking_loss(scores_bl, q_bln, k_bln, candidates_bc, mask_bl=None) -> jax.Array:
+    """Paper eqs. 15-17 on kc candidate keys per sequence: mean_{a,b} BCE(x_a - x_b, T_ab).
+
+    x_j = scores[j]; target y_j = sum_{i >= j} sigmoid(q_i . k_j) (stop-gradient);
+    T_ab = 1 if y_a > y_b, 0.5 if equal, 0 otherwise. Costs O(l * kc * n): no (l x l) array.
+    With `mask_bl` (real tokens), padding neither is a candidate pair member nor counts as a query
+    in the targets (the official code sums over padded queries too).
+    """
+    l = q_bln.shape[1]
+    x_bc = jnp.take_along_axis(scores_bl.astype(jnp.float32), candidates_bc, axis=1)
+    k_bcn = jnp.take_along_axis(k_bln.astype(jnp.float32), candidates_bc[..., None], axis=1)
+    logits_blc = jnp.einsum("bln,bcn->blc", q_bln.astype(jnp.float32), k_bcn)
+    later_blc = jnp.arange(l)[None, :, None] >= candidates_bc[:, None, :]
+    if mask_bl is not None:
+        later_blc = later_blc & mask_bl[:, :, None]
+    y_bc = jax.lax.stop_gradient(jnp.sum(jnp.where(later_blc, jax.nn.sigmoid(logits_blc), 0.0), axis=1))
+    target_bcc = jnp.where(y_bc[:, :, None] > y_bc[:, None, :], 1.0, 0.0)
+    target_bcc = jnp.where(y_bc[:, :, None] == y_bc[:, None, :], 0.5, target_bcc)
+    pair_bcc = x_bc[:, :, None] - x_bc[:, None, :]
+    # BCE with logits, stable: max(p, 0) - p t + log(1 + exp(-|p|)).
+    bce_bcc = jnp.maximum(pair_bcc, 0) - pair_bcc * target_bcc + jnp.log1p(jnp.exp(-jnp.abs(pair_bcc)))
+    if mask_bl is None:
+        return jnp.mean(bce_bcc)
+    valid_bc = jnp.take_along_axis(mask_bl, candidates_bc, axis=1)
+    pairs_bcc = (valid_bc[:, :, None] & valid_bc[:, None, :]).astype(jnp.float32)
+    return jnp.sum(bce_bcc * pairs_bcc) / jnp.maximum(jnp.sum(pairs_bcc), 1.0)
+
+
+class KeyScorer(nnx.Module):
+    """s_j = MLP([k_j, normalize(sum_{p<=j} q_p)]): 2N -> 2N -> 2N -> 1 with ReLU (paper §4.2)."""
+
+    def __init__(self, d_state: int, *, rngs: nnx.Rngs):
+        def linear(i, o):
+            return nnx.Linear(i, o, kernel_init=torch_linear_init(i), bias_init=torch_linear_init(i), rngs=rngs)
+
+        self.fc1, self.fc2, self.fc3 = linear(2 * d_state, 2 * d_state), linear(2 * d_state, 2 * d_state), \
+            linear(2 * d_state, 1)
+
+    def __call__(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
+        """k, q_sum (..., N) (q_sum already normalised) -> scores (...,) fp32; no gradient to k or q."""
+        h = jnp.concatenate([jax.lax.stop_gradient(k), jax.lax.stop_gradient(q_sum)], axis=-1)
+        h = jax.nn.relu(self.fc1(h.astype(jnp.float32)))
+        h = jax.nn.relu(self.fc2(h))
+        return self.fc3(h)[..., 0]
+
+
+class HaxBranch(nnx.Module):
+    """qk projection, the sparse attention over (Q, K, V = x), the per-channel gate E, and the scorer."""
+
+    def __init__(self, cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
+        s = cfg.sparse
+        self.cfg, self.d_state, self.d_inner = s, d_state, d_inner
+        self.components = tuple(s.pattern.split("+"))
+        self.keys_per_component = s.num_keys // len(self.components)
+        self.qk_proj = nnx.Linear(d_inner, 2 * d_state, use_bias=False, dtype=jnp.dtype(cfg.dtype),
+                                  kernel_init=torch_linear_init(d_inner), rngs=rngs)
+        self.E = nnx.Param(jnp.ones((d_inner,), jnp.float32))
+        self.scorer = KeyScorer(d_state, rngs=rngs) if "ks" in self.components else None
+
+    def _qk(self, x: jax.Array):
+        """x (..., e) -> q, k (..., N), with K scaled by 1/sqrt(N)."""
+        k, q = jnp.split(self.qk_proj(x), 2, axis=-1)
+        return q, k / math.sqrt(self.d_state)
+
+    def _hash_proj(self, rng: jax.Array | None) -> jax.Array | None:
+        """H ~ N(0, 1) (N, h): resampled from `rng` in training, fixed by eval_hash_seed otherwise."""
+        if "lsh" not in self.components:
+            return None
+        key = jax.random.key(self.cfg.eval_hash_seed) if rng is None else rng
+        return jax.random.normal(key, (self.d_state, self.cfg.hash_bits), jnp.float32)
+
+    def _key_scores(self, q_bln: jax.Array, k_bln: jax.Array) -> jax.Array | None:
+        """Scores of every key from the causal prefix sum of queries (the official code: sequence-normalised)."""
+        if self.scorer is None:
+            return None
+        q_sum = jnp.cumsum(q_bln.astype(jnp.float32), axis=1)
+        # The official code calls normalize() with torch's default dim=1, the sequence axis: it leaks the
+        # future into every score. We normalise each prefix sum over its own features.
+        q_sum = l2_normalize(q_sum, axis=1 if self.cfg.official_code else -1)
+        return self.scorer(k_bln, q_sum)
+
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None, rng: jax.Array | None = None):
+        """Parallel mode: x (b, l, e) -> o * E (b, l, e); with `rng`, sows the ranking loss."""
+        q, k = self._qk(x)
+        hash_rng, rank_rng = (None, None) if rng is None else jax.random.split(rng)
+        scores = self._key_scores(q, k)
+        o = sparse_attention(
+            q, k, x, pattern=self.cfg.pattern, num_keys=self.cfg.num_keys, hash_proj=self._hash_proj(hash_rng),
+            key_scores=None if scores is None else jax.lax.stop_gradient(scores), max_len=self.cfg.max_len,
+            binning=self.cfg.binning, official_code=self.cfg.official_code,
+        )
+        if rng is not None and scores is not None:
+            self.sow(nnx.Intermediate, "rank_loss", self._rank_loss(scores, q, k, mask, rank_rng))
+        return o * self.E[...].astype(o.dtype)
+
+    def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:
+        """Samples kc candidate keys per sequence uniformly without replacement (never padding) and ranks them."""
+        b, l = scores.shape
+        kc = min(self.keys_per_component, l)
+        noise = jax.random.uniform(rng, (b, l))
+        if mask is not None:
+            noise = jnp.where(mask, noise, -1.0)
+        _, candidates = jax.lax.top_k(noise, kc)
+        return ranking_loss(scores, q, k, candidates, mask)
+
+    def forward(self, x: jax.Array, cache, *, mask=None, rng=None):
+        """Parallel mode inside a mixer: the sub-quadratic op without a cache (training), else the step scan
+        from the mixer cache's `sparse` part (prefill). Returns (o * E, the new sparse cache or None)."""
+        if cache is None:
+            return self(x, mask=mask, rng=rng), None
+        return self.scan(x, self.decode_cache(cache))
+
+    # ------------------------------------------------------------------ decode
+
+    @staticmethod
+    def decode_cache(cache) -> SparseAttentionCache:
+        """The branch's part of a mixer cache, or a clear error when that cache did not start as init_cache."""
+        if cache.sparse is None:
+            raise ValueError("this layer has a sparse-attention branch: start from model.init_cache(batch) "
+                             "(pass cache= to the prefill) before decoding step by step")
+        return cache.sparse
+
+    def init_cache(self, batch: int, dtype) -> SparseAttentionCache:
+        """An empty decode cache holding up to cfg.decode_capacity tokens."""
+        return init_cache(batch, self.cfg.decode_capacity, self.d_state, self.d_inner, pattern=self.cfg.pattern,
+                          num_keys=self.cfg.num_keys, hash_bits=self.cfg.hash_bits, binning=self.cfg.binning,
+                          dtype=dtype)
+
+    def step(self, x: jax.Array, cache: SparseAttentionCache):
+        """Recurrent mode: x (b, e) -> (o * E (b, e), cache); O(num_keys * (N + e)) per token."""
+        if self.cfg.official_code:
+            raise ValueError("sparse.official_code=True is non-causal and has no step mode")
+        q, k = self._qk(x)
+        score = None
+        if self.scorer is not None:
+            score = self.scorer(k, l2_normalize(cache.q_sum + q.astype(jnp.float32)))
+        o, cache = sparse_attention_step(
+            q, k, x, cache, pattern=self.cfg.pattern, num_keys=self.cfg.num_keys,
+            hash_proj=self._hash_proj(None), key_score=score, max_len=self.cfg.max_len, binning=self.cfg.binning,
+        )
+        return o * self.E[...].astype(o.dtype), cache
+
+    def scan(self, x: jax.Array, cache: SparseAttentionCache):
+        """Prefill from a cache: the step over every token of x (b, l, e), as one lax.scan."""
+
+        def body(cache, x_t):
+            o_t, cache = self.step(x_t, cache)
+            return cache, o_t
+
+        cache, o_lbe = jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
+        return jnp.moveaxis(o_lbe, 0, 1), cache
+
+
+def init_qk_from_bc(x_proj_kernel: jax.Array, *, dt_rank: int, d_state: int) -> jax.Array:
+    """Mamba-1 x_proj kernel (e, R + 2N) -> qk_proj kernel (e, 2N) = [B | C] (key <- B, query <- C).
+
+    By state-space duality the SSM's C plays the query and B the key (HAX paper App. D.2).
+    """
+    return jnp.concatenate([x_proj_kernel[:, dt_rank : dt_rank + d_state], x_proj_kernel[:, dt_rank + d_state :]],
+                           axis=1)

@@ -1,0 +1,210 @@
+"""Infini-attention ("infini"): per-segment local attention plus a compressive memory.
+
+Munkhdalai et al. 2024, arXiv 2404.07143 v2. The sequence is cut into segments of
+N = cfg.infini.segment_len tokens. Per head, with sigma = ELU + 1 on the projected (non-RoPE)
+queries and keys:
+
+    A_dot = softmax(Q_r K_r^T / sqrt(head_dim) + causal) V     (Q_r, K_r: RoPE inside the segment)
+    A_mem = sigma(Q) M_{s-1} / (sigma(Q) z_{s-1} + eps)             (retrieve, eq. 3)
+    A     = sigmoid(beta) A_mem + (1 - sigmoid(beta)) A_dot         (gate, eq. 10)
+    linear: M_s = M_{s-1} + sigma(K)^T V                            (eq. 4)
+    delta:  M_s = M_{s-1} + sigma(K)^T (V - sigma(K) M_{s-1} / (sigma(K) z_{s-1} + eps))   (eq. 5)
+    z_s = z_{s-1} + sum_t sigma(K_t)
+
+Choices the paper leaves open or prints differently:
+- the local logits are scaled by 1/sqrt(head_dim) (eq. 6 prints sqrt(d_model); head_dim is the
+  standard scaled dot product of each head);
+- M_0 = 0 and z_0 = 0, so the first segment's retrieval is 0 / 0: eps = 1e-6 in every denominator
+  makes it 0 (and keeps the delta rule's own retrieval finite);
+- RoPE positions count from the segment start: local attention never crosses a segment, so only
+  relative positions matter, and small angles keep fp32 RoPE exact on long sequences.
+A segment is retrieved from before it is written (M_{s-1} first, then M_s).
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hax_jax.config import ModelConfig
+from hax_jax.layers.attention import attend
+from hax_jax.layers.conv import torch_linear_init
+from hax_jax.layers.rope import apply_rope
+
+EPS = 1e-6  # the retrieval denominator's guard (see the module docstring)
+
+
+class InfiniCache(NamedTuple):
+    """Decode state: the memory as of the current segment's start, and that segment's tokens."""
+
+    mem: jax.Array  # (b, h, d_key, d_value) fp32: M_{s-1}
+    norm: jax.Array  # (b, h, d_key) fp32: z_{s-1}
+    k: jax.Array  # (b, N, h, d_key) compute dtype: the segment's raw (non-RoPE) keys; zeros later
+    v: jax.Array  # (b, N, h, d_value) compute dtype: its values
+    pos: jax.Array  # () int32: tokens consumed; the current segment holds pos % N of them
+
+
+def sigma(x: jax.Array) -> jax.Array:
+    """The memory's feature map ELU(x) + 1 (positive), in fp32."""
+    return jax.nn.elu(x.astype(jnp.float32)) + 1.0
+
+
+def memory_retrieve(sq: jax.Array, mem: jax.Array, norm: jax.Array) -> jax.Array:
+    """sigma(Q) (b, n, h, dk), M (b, h, dk, dv), z (b, h, dk) -> sigma(Q) M / (sigma(Q) z + eps)."""
+    num = jnp.einsum("bnhk,bhkv->bnhv", sq, mem)
+    den = jnp.einsum("bnhk,bhk->bnh", sq, norm) + EPS
+    return num / den[..., None]
+
+
+def memory_update(mem: jax.Array, norm: jax.Array, sk: jax.Array, v: jax.Array, rule: str):
+    """Writes one segment, sigma(K) (b, n, h, dk) and V (b, n, h, dv), into (M, z) by `rule`."""
+    v = v.astype(jnp.float32)
+    if rule == "delta":  # write only what the memory does not already return for these keys
+        v = v - memory_retrieve(sk, mem, norm)
+    elif rule != "linear":
+        raise ValueError(f"infini.update must be 'linear' or 'delta', got {rule!r}")
+    return mem + jnp.einsum("bnhk,bnhv->bhkv", sk, v), norm + jnp.sum(sk, axis=1)
+
+
+class InfiniAttention(nnx.Module):
+    """q/k/v projections -> per head, gated local attention + memory retrieval -> out projection."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        c = cfg.infini
+        d, h = cfg.d_model, c.n_heads
+        if c.head_dim is None and d % h:
+            raise ValueError(f"d_model={d} must be a multiple of infini.n_heads={h} "
+                             "(or set infini.head_dim)")
+        if c.segment_len < 1:
+            raise ValueError(f"infini.segment_len must be positive, got {c.segment_len}")
+        hd = c.head_dim or d // h
+        self.n_heads, self.head_dim, self.seg, self.rule = h, hd, c.segment_len, c.update
+        self.theta, self.scale, self.dtype = c.rope_theta, 1.0 / math.sqrt(hd), jnp.dtype(cfg.dtype)
+
+        def linear(i, o, scale=1.0):
+            init = torch_linear_init(i, scale)
+            return nnx.Linear(i, o, use_bias=False, dtype=self.dtype, kernel_init=init, rngs=rngs)
+
+        self.q_proj, self.k_proj, self.v_proj = (linear(d, h * hd) for _ in range(3))
+        self.o_proj = linear(h * hd, d, scale=1 / math.sqrt(cfg.n_layer))  # as mamba's out_proj
+        self.beta = nnx.Param(jnp.zeros((h,), jnp.float32))  # gate logit per head: starts at 1/2
+
+    def init_cache(self, batch: int) -> InfiniCache:
+        """Empty memory, empty segment, position 0."""
+        h, hd, n = self.n_heads, self.head_dim, self.seg
+        return InfiniCache(
+            mem=jnp.zeros((batch, h, hd, hd), jnp.float32),
+            norm=jnp.zeros((batch, h, hd), jnp.float32),
+            k=jnp.zeros((batch, n, h, hd), self.dtype), v=jnp.zeros((batch, n, h, hd), self.dtype),
+            pos=jnp.zeros((), jnp.int32),
+        )
+
+    def _qkv(self, x: jax.Array):
+        """x (b, l, d) -> raw q, k, v (b, l, h, head_dim)."""
+        b, l, _ = x.shape
+        x = x.astype(self.dtype)
+        return tuple(p(x).reshape(b, l, self.n_heads, self.head_dim)
+                     for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def _mix(self, q, k, v, allowed, q_pos, mem, norm, gate):
+        """Queries q (b, lq, h, hd) at segment offsets q_pos against one segment's keys k, v
+        (b, N, h, hd) under `allowed` (lq, N), and against the memory -> gated heads, fp32."""
+        qr = apply_rope(q, q_pos, self.theta)
+        kr = apply_rope(k, jnp.arange(k.shape[1]), self.theta)
+        a_dot = attend(qr, kr, v, allowed, self.scale).astype(jnp.float32)
+        a_mem = memory_retrieve(sigma(q), mem, norm)
+        return gate[:, None] * a_mem + (1.0 - gate[:, None]) * a_dot
+
+    def _out(self, a: jax.Array) -> jax.Array:
+        """Heads (..., h, hd) fp32 -> (..., d), concatenated heads through the out projection."""
+        return self.o_proj(a.reshape(*a.shape[:-2], -1).astype(self.dtype))
+
+    def __call__(
+        self, x: jax.Array, *, cache: InfiniCache | None = None, seq_idx=None, mask=None, rng=None
+    ):
+        """Parallel mode: x (b, l, d) from `cache` (None = fresh) -> (y (b, l, d), cache after x).
+
+        A scan over segments carries (M, z). The tokens are laid out on the segment grid: the cached
+        partial segment's r = pos % N tokens first, then x, then zero padding to whole segments.
+        `mask` (padding) is ignored: padding at the end reaches no real token; `rng` too.
+        """
+        if seq_idx is not None:
+            raise ValueError("the infini mixer does not support seq_idx (packed documents)")
+        b, l, _ = x.shape
+        n, h, hd = self.seg, self.n_heads, self.head_dim
+        fresh = cache is None
+        if fresh:
+            cache = self.init_cache(b)
+        r = 0 if fresh else cache.pos % n  # static 0 on a fresh start: no room kept for a prefix
+        total = n * -(-(l + (0 if fresh else n - 1)) // n)
+        q, k, v = self._qkv(x)
+        in_cache = (jnp.arange(n) < r)[None, :, None, None]
+
+        def grid(t, buf=None):
+            """(b, l, h, hd) -> (b, total, h, hd): t at offset r, the cached segment before it."""
+            out = jnp.zeros((b, total, h, hd), t.dtype)
+            out = jax.lax.dynamic_update_slice(out, t, (0, r, 0, 0))
+            if buf is None:
+                return out
+            return out.at[:, :n].set(jnp.where(in_cache, buf.astype(t.dtype), out[:, :n]))
+
+        qg, kg, vg = grid(q), grid(k, cache.k), grid(v, cache.v)
+        end = r + l  # grid slots holding tokens
+        n_seg = total // n
+        complete = (jnp.arange(n_seg) + 1) * n <= end
+        causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None]
+        gate = jax.nn.sigmoid(self.beta[...])
+        rule = self.rule
+
+        @jax.checkpoint  # recompute each segment's attention in the backward pass: O(N) memory each
+        def segment(carry, xs):
+            """One segment: outputs from M_{s-1}, then M_s (only if the segment is complete)."""
+            mem, norm = carry
+            qs, ks, vs, full = xs
+            a = self._mix(qs, ks, vs, causal, jnp.arange(n), mem, norm, gate)
+            # A partial last segment stays in the cache's buffer instead, so neither its tail
+            # padding nor its real tokens reach the memory until the segment is whole.
+            new_mem, new_norm = memory_update(mem, norm, sigma(ks), vs, rule)
+            return (jnp.where(full, new_mem, mem), jnp.where(full, new_norm, norm)), a
+
+        def segments(t):
+            """(b, total, h, hd) -> (n_seg, b, N, h, hd), the scan's leading axis."""
+            return jnp.moveaxis(t.reshape(b, n_seg, n, h, hd), 1, 0)
+
+        (mem, norm), a = jax.lax.scan(
+            segment, (cache.mem, cache.norm), (segments(qg), segments(kg), segments(vg), complete)
+        )
+        a = jnp.moveaxis(a, 0, 1).reshape(b, total, h, hd)
+        a = jax.lax.dynamic_slice_in_dim(a, r, l, axis=1)
+        # The new buffer: the partial segment after the last complete one (zeros if there is none).
+        start = (end // n) * n
+        at = jnp.minimum(start, total - n)  # where dynamic_slice really reads (it clamps)
+        slot = at + jnp.arange(n)
+        keep = ((slot >= start) & (slot < end))[None, :, None, None]
+        buf_k = jnp.where(keep, jax.lax.dynamic_slice_in_dim(kg, at, n, axis=1), 0)
+        buf_v = jnp.where(keep, jax.lax.dynamic_slice_in_dim(vg, at, n, axis=1), 0)
+        pos = jnp.asarray(cache.pos + l, jnp.int32)
+        return self._out(a), InfiniCache(mem, norm, buf_k, buf_v, pos)
+
+    def step(self, x: jax.Array, cache: InfiniCache):
+        """Recurrent mode, one token: x (b, d) -> (y (b, d), cache); the segment folds into (M, z)
+        after its N-th token, with the same update as the parallel mode."""
+        n = self.seg
+        r = cache.pos % n
+        q, k, v = self._qkv(x[:, None])
+        buf_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, r, 0, 0))
+        buf_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, r, 0, 0))
+        gate = jax.nn.sigmoid(self.beta[...])
+        a = self._mix(q, buf_k, buf_v, jnp.arange(n) <= r, r[None], cache.mem, cache.norm, gate)
+
+        def fold(state):
+            """Writes the whole segment into the memory and empties the buffer."""
+            mem, norm, bk, bv = state
+            mem, norm = memory_update(mem, norm, sigma(bk), bv, self.rule)
+            return mem, norm, jnp.zeros_like(bk), jnp.zeros_like(bv)
+
+        state = (cache.mem, cache.norm, buf_k, buf_v)
+        mem, norm, buf_k, buf_v = jax.lax.cond(r == n - 1, fold, lambda s: s, state)
+        return self._out(a[:, 0]), InfiniCache(mem, norm, buf_k, buf_v, cache.pos + 1)

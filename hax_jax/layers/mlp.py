@@ -1,0 +1,58 @@
+"""The SwiGLU MLP mixer ("mlp"): down(silu(gate(x)) * up(x)); position-wise, no state kept."""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hax_jax.config import ModelConfig
+from hax_jax.layers.conv import torch_linear_init
+
+
+class MlpCache(NamedTuple):
+    """The MLP's (empty) decode state, so the blocks' cache plumbing treats every mixer alike."""
+
+
+def mlp_hidden_dim(cfg: ModelConfig) -> int:
+    """cfg.mlp.d_ff, else 2/3 * hidden_ratio * d_model rounded up to a multiple of 256."""
+    if cfg.mlp.d_ff is not None:
+        return cfg.mlp.d_ff
+    return 256 * math.ceil(2 / 3 * cfg.mlp.hidden_ratio * cfg.d_model / 256)
+
+
+class SwiGLU(nnx.Module):
+    """gate/up projections d -> d_ff, SiLU(gate) * up, down projection d_ff -> d; no biases."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, mlp_hidden_dim(cfg)
+        self.dtype = jnp.dtype(cfg.dtype)
+
+        def linear(i, o, scale=1.0):
+            init = torch_linear_init(i, scale)
+            return nnx.Linear(i, o, use_bias=False, dtype=self.dtype, kernel_init=init, rngs=rngs)
+
+        self.gate_proj = linear(d, f)
+        self.up_proj = linear(d, f)
+        self.down_proj = linear(f, d, scale=1 / math.sqrt(cfg.n_layer))  # as mamba's out_proj
+
+    def init_cache(self, batch: int) -> MlpCache:
+        """The (empty) cache."""
+        return MlpCache()
+
+    def _mlp(self, x: jax.Array) -> jax.Array:
+        """x (..., d) -> (..., d)."""
+        x = x.astype(self.dtype)
+        gate = jax.nn.silu(self.gate_proj(x).astype(jnp.float32))  # SiLU in fp32, like the norms
+        return self.down_proj((gate * self.up_proj(x)).astype(self.dtype))
+
+    def __call__(
+        self, x: jax.Array, *, cache: MlpCache | None = None, seq_idx=None, mask=None, rng=None
+    ):
+        """Parallel mode: x (b, l, d) -> (y (b, l, d), empty cache); seq_idx, mask, rng unused."""
+        return self._mlp(x), MlpCache()
+
+    def step(self, x: jax.Array, cache: MlpCache):
+        """Recurrent mode, one token: x (b, d) -> (y (b, d), empty cache)."""
+        return self._mlp(x), MlpCache()

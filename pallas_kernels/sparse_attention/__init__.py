@@ -1,0 +1,21 @@
+"""HAX context-dependent sparse attention (sw / sink / dilated / lsh / ks / full), with decode."""
+
+from .ops import init_cache, parse_pattern, sparse_attention, sparse_attention_step
+from .reference import (
+    lsh_buckets, official_lsh_inputs, running_mean, sparse_attention_mask,
+    sparse_attention_reference,
+)
+from .step import SparseAttentionCache
+
+__all__ = [
+    "SparseAttentionCache",
+    "init_cache",
+    "lsh_buckets",
+    "official_lsh_inputs",
+    "parse_pattern",
+    "running_mean",
+    "sparse_attention",
+    "sparse_attention_mask",
+    "sparse_attention_reference",
+    "sparse_attention_step",
+]

@@ -1,0 +1,198 @@
+"""Public HAX sparse attention: input checks, the parallel op, the cache and the decode step."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ..checks import check_float, check_shape
+from .indexed import sparse_attention_indexed
+from .reference import BINNINGS, COMPONENTS, component_budget, sparse_attention_reference
+from .step import SparseAttentionCache, init_cache_arrays, step_arrays
+
+# Sign buckets are int32 bit sets: 2^h must fit.
+MAX_SIGN_BITS = 30
+
+
+def parse_pattern(pattern):
+    """The components of `pattern` as a tuple; ValueError naming the pattern if it is bad."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"pattern must be a non-empty '+'-joined string, got {pattern!r}")
+    comps = tuple(pattern.split("+"))
+    for comp in comps:
+        if comp not in COMPONENTS:
+            raise ValueError(
+                f"unknown component {comp!r} in pattern {pattern!r}; known: {COMPONENTS}"
+            )
+    for comp in set(comps):
+        if comps.count(comp) > 1:
+            raise ValueError(f"component {comp!r} repeated in pattern {pattern!r}")
+    if "full" in comps and len(comps) > 1:
+        raise ValueError(f"'full' cannot be combined with other components: {pattern!r}")
+    return comps
+
+
+def _check_positive_int(name, value):
+    """ValueError naming `value` unless it is a positive int (bool excluded)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _validate_static(pattern, num_keys, max_len, binning):
+    """Check the static arguments; return the components."""
+    comps = parse_pattern(pattern)
+    _check_positive_int("num_keys", num_keys)
+    if num_keys < len(comps):
+        raise ValueError(
+            f"num_keys = {num_keys} is smaller than the {len(comps)} components of {pattern!r}"
+        )
+    if binning not in BINNINGS:
+        raise ValueError(f"binning must be one of {BINNINGS}, got {binning!r}")
+    if "dilated" in comps:
+        if max_len is None:
+            raise ValueError(f"max_len is required by 'dilated' in pattern {pattern!r}")
+        _check_positive_int("max_len", max_len)
+    return comps
+
+
+def _validate_hash_proj(comps, pattern, hash_proj, n, binning):
+    """hash_proj (n, h) is required by lsh; sign binning needs h <= MAX_SIGN_BITS."""
+    if "lsh" not in comps:
+        return
+    if hash_proj is None:
+        raise ValueError(f"hash_proj (n, h) is required by 'lsh' in pattern {pattern!r}")
+    if hash_proj.ndim != 2 or hash_proj.shape[0] != n or hash_proj.shape[1] == 0:
+        raise ValueError(f"hash_proj must have shape (n, h) with n = {n}, got {hash_proj.shape}")
+    check_float("hash_proj", hash_proj)
+    if binning == "sign" and hash_proj.shape[1] > MAX_SIGN_BITS:
+        raise ValueError(
+            f"sign binning takes at most {MAX_SIGN_BITS} hash bits, got h = {hash_proj.shape[1]}"
+        )
+
+
+def _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binning):
+    """Check shapes, dtypes and static arguments; return the components."""
+    comps = _validate_static(pattern, num_keys, max_len, binning)
+    if q.ndim != 3:
+        raise ValueError(f"q must have shape (b, l, n), got {q.shape}")
+    b, l, n = q.shape
+    check_shape("k", k, (b, l, n), "(b, l, n)")
+    if v.ndim != 3 or v.shape[:2] != (b, l):
+        raise ValueError(f"v must have shape (b, l, e) with (b, l) = {(b, l)}, got {v.shape}")
+    for name, arr in (("q", q), ("k", k), ("v", v)):
+        check_float(name, arr)
+    _validate_hash_proj(comps, pattern, hash_proj, n, binning)
+    if "ks" in comps:
+        if key_scores is None:
+            raise ValueError(f"key_scores (b, l) is required by 'ks' in pattern {pattern!r}")
+        check_shape("key_scores", key_scores, (b, l), "(b, l)")
+        check_float("key_scores", key_scores)
+    return comps
+
+
+@functools.partial(
+    jax.jit, static_argnames=("pattern", "num_keys", "max_len", "binning", "official_code")
+)
+def sparse_attention(
+    q, k, v, *, pattern, num_keys, hash_proj=None, key_scores=None, max_len=None,
+    binning="sign", official_code=False,
+):
+    """HAX context-dependent sparse attention (one head, causal): o (b, l, e) in v.dtype.
+
+    q, k (b, l, n) (k already scaled: logits are exactly q_i . k_j); v (b, l, e); hash_proj
+    (n, h) for lsh; key_scores (b, l) for ks (no gradient through the selection); max_len for
+    dilated. pattern: '+'-joined components of ("sw", "sink", "dilated", "lsh", "ks"), or
+    "full" alone; each gets kc = num_keys // #components keys, query i attends to the union of
+    their causal key sets (see reference.py), softmax over those keys only, fp32 compute. A
+    query with no selected key outputs 0 (zero gradient). binning: "sign" (2^h buckets) or
+    "argmax" (h buckets); key_scores should be finite (ties go to the earlier position).
+
+    Every pattern but "full" costs O(l * num_keys * (n + e)) time and O(l * num_keys) memory,
+    forward and backward (no (l, l) array). official_code=True reproduces the official PyTorch
+    code instead (non-causal LSH centring and normalisation over the whole sequence; a query
+    with no selected key gets a uniform softmax over ALL l positions, future included) with
+    dense (l, l) masks: quadratic by design, and not causal.
+    """
+    _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binning)
+    kwargs = dict(
+        pattern=pattern, num_keys=num_keys, hash_proj=hash_proj, key_scores=key_scores,
+        max_len=max_len, binning=binning,
+    )
+    if official_code:
+        return sparse_attention_reference(q, k, v, official_code=True, **kwargs)
+    return sparse_attention_indexed(q, k, v, **kwargs)
+
+
+def init_cache(
+    batch, capacity, n, e, *, pattern, num_keys, hash_bits=None, binning="sign",
+    dtype=jnp.float32,
+):
+    """An empty `SparseAttentionCache` for up to `capacity` decode steps.
+
+    hash_bits: h of hash_proj (n, h), required when pattern has lsh; dtype: of the key and
+    value buffers (the sums and scores are fp32).
+    """
+    comps = _validate_static(pattern, num_keys, 1, binning)  # max_len only matters per step
+    for name, value in (("batch", batch), ("capacity", capacity), ("n", n), ("e", e)):
+        _check_positive_int(name, value)
+    if "lsh" in comps:
+        if hash_bits is None:
+            raise ValueError(f"hash_bits is required by 'lsh' in pattern {pattern!r}")
+        _check_positive_int("hash_bits", hash_bits)
+        if binning == "sign" and hash_bits > MAX_SIGN_BITS:
+            raise ValueError(
+                f"sign binning takes at most {MAX_SIGN_BITS} hash bits, got {hash_bits}"
+            )
+    return init_cache_arrays(
+        batch, capacity, n, e, pattern=pattern, num_keys=num_keys, hash_bits=hash_bits,
+        binning=binning, dtype=dtype,
+    )
+
+
+_step_jit = jax.jit(
+    step_arrays, static_argnames=("pattern", "num_keys", "max_len", "binning")
+)
+
+
+def sparse_attention_step(
+    q, k, v, cache, *, pattern, num_keys, hash_proj=None, key_score=None, max_len=None,
+    binning="sign", official_code=False,
+):
+    """One decode step of `sparse_attention`: (o (b, e) in v.dtype, the updated cache).
+
+    q, k (b, n); v (b, e); key_score (b,) for ks; cache from `init_cache` with the same
+    pattern, num_keys, binning and h. Writes k, v at position cache.t and attends as query t
+    of the parallel op would, touching O(num_keys) cache rows ("full" reads all of them).
+    ValueError naming capacity when cache.t is concrete and already equals capacity; under an
+    outer jit (traced t) that cannot raise, and the output is NaN instead. official_code has
+    no step mode (its LSH centring and empty-row softmax read the whole sequence).
+    """
+    if official_code:
+        raise ValueError("official_code=True has no step mode (it is not causal)")
+    comps = _validate_static(pattern, num_keys, max_len, binning)
+    if not isinstance(cache, SparseAttentionCache):
+        raise ValueError(f"cache must be a SparseAttentionCache, got {type(cache).__name__}")
+    b, capacity, n = cache.keys.shape
+    e = cache.values.shape[-1]
+    check_shape("q", q, (b, n), "(b, n)")
+    check_shape("k", k, (b, n), "(b, n)")
+    check_shape("v", v, (b, e), "(b, e)")
+    for name, arr in (("q", q), ("k", k), ("v", v)):
+        check_float(name, arr)
+    kc = component_budget(pattern, num_keys)
+    _validate_hash_proj(comps, pattern, hash_proj, n, binning)
+    if "lsh" in comps:
+        buckets = 2 ** hash_proj.shape[1] if binning == "sign" else hash_proj.shape[1]
+        check_shape("cache.lsh_table", cache.lsh_table, (b, buckets, kc), "(b, n_buckets, kc)")
+    if "ks" in comps:
+        if key_score is None:
+            raise ValueError(f"key_score (b,) is required by 'ks' in pattern {pattern!r}")
+        check_shape("key_score", key_score, (b,), "(b,)")
+        check_float("key_score", key_score)
+        check_shape("cache.ks_scores", cache.ks_scores, (b, kc), "(b, kc)")
+    if not isinstance(cache.t, jax.core.Tracer) and int(cache.t) >= capacity:
+        raise ValueError(f"cache is full: t = {int(cache.t)} reached capacity = {capacity}")
+    return _step_jit(
+        q, k, v, cache, pattern=pattern, num_keys=num_keys, hash_proj=hash_proj,
+        key_score=key_score, max_len=max_len, binning=binning,
+    )

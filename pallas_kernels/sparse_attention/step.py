@@ -1,0 +1,134 @@
+"""HAX sparse attention, one decode step against a cache: O(num_keys * (n + e)) per token.
+
+The cache keeps what each component needs to find query t's keys without reading all
+`capacity` rows: the running sums for the LSH centring, a per-bucket table of the kc most recent
+key positions, and the running top-kc key scores. A step touches O(num_keys) rows of the key
+and value buffers (plus the append); only "full" reads every row (the quadratic ceiling).
+
+Running the step over positions 0..l-1 gives the parallel op's outputs (same selection rules
+and the same tie-breaking). Letters: b batch, c capacity (cache position), s selected slot,
+n key dim, e value dim, u bucket.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .indexed import dedupe, gather_rows, softmax_attend
+from .reference import centred, component_budget, dilation_of, lsh_buckets, num_buckets, split_pattern
+
+
+class SparseAttentionCache(NamedTuple):
+    """Decode state of `sparse_attention_step`.
+
+    keys (b, capacity, n), values (b, capacity, e): rows 0..t-1 written so far.
+    t: int32 scalar, the number of positions seen = the position the next step writes.
+    q_sum, k_sum (b, n) fp32: sums of all queries / keys seen BEFORE the next step (positions
+        0..t-1); the running means for the LSH centring are (sum + x_t) / (t + 1). A caller may
+        read q_sum to reproduce the centring.
+    lsh_table (b, n_buckets, kc) int32: per key bucket the kc most recent positions, oldest
+        first, -1 = empty; (b, 0, 0) without lsh.
+    ks_scores (b, kc) fp32, ks_pos (b, kc) int32: the running top-kc key scores (descending,
+        ties earlier first) and their positions, -inf / -1 = empty; (b, 0) without ks.
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    t: jax.Array
+    q_sum: jax.Array
+    k_sum: jax.Array
+    lsh_table: jax.Array
+    ks_scores: jax.Array
+    ks_pos: jax.Array
+
+
+def init_cache_arrays(batch, capacity, n, e, *, pattern, num_keys, hash_bits, binning, dtype):
+    """An empty cache (no validation; see ops.init_cache)."""
+    comps = split_pattern(pattern)
+    kc = component_budget(pattern, num_keys)
+    lsh_shape = (batch, num_buckets(hash_bits, binning), kc) if "lsh" in comps else (batch, 0, 0)
+    ks_len = kc if "ks" in comps else 0
+    return SparseAttentionCache(
+        keys=jnp.zeros((batch, capacity, n), dtype),
+        values=jnp.zeros((batch, capacity, e), dtype),
+        t=jnp.zeros((), jnp.int32),
+        q_sum=jnp.zeros((batch, n), jnp.float32),
+        k_sum=jnp.zeros((batch, n), jnp.float32),
+        lsh_table=jnp.full(lsh_shape, -1, jnp.int32),
+        ks_scores=jnp.full((batch, ks_len), -jnp.inf, jnp.float32),
+        ks_pos=jnp.full((batch, ks_len), -1, jnp.int32),
+    )
+
+
+def step_arrays(
+    q, k, v, cache, *, pattern, num_keys, hash_proj=None, key_score=None, max_len=None,
+    binning="sign",
+):
+    """One decode step (no validation; see ops.sparse_attention_step): returns (o, cache).
+
+    Past capacity the buffers cannot take the new row, so o is NaN there (a traced t cannot
+    raise); ops.sparse_attention_step raises instead when t is concrete.
+    """
+    comps = split_pattern(pattern)
+    kc = component_budget(pattern, num_keys)
+    b, capacity, _ = cache.keys.shape
+    t = cache.t
+    batch_b = jnp.arange(b)
+    keys = jax.lax.dynamic_update_slice(
+        cache.keys, k[:, None].astype(cache.keys.dtype), (0, t, 0)
+    )
+    values = jax.lax.dynamic_update_slice(
+        cache.values, v[:, None].astype(cache.values.dtype), (0, t, 0)
+    )
+    q_bn, k_bn = q.astype(jnp.float32), k.astype(jnp.float32)
+    q_sum, k_sum = cache.q_sum + q_bn, cache.k_sum + k_bn
+    lsh_table, ks_scores, ks_pos = cache.lsh_table, cache.ks_scores, cache.ks_pos
+    s_s = jnp.arange(kc, dtype=jnp.int32)
+    parts = []
+    for comp in comps:
+        if comp == "full":
+            j_bs = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
+            parts.append((j_bs, j_bs <= t))
+        elif comp == "sw":
+            parts.append((t - s_s, t - s_s >= 0))
+        elif comp == "sink":
+            parts.append((s_s, s_s <= t))
+        elif comp == "dilated":
+            d = dilation_of(max_len, kc)
+            j_s = ((t + 1) // d) * d - 1 - d * s_s
+            parts.append((j_s, j_s >= 0))
+        elif comp == "lsh":
+            count = (t + 1).astype(jnp.float32)
+            k_c_bn, k_scale_b = centred(k_bn, k_sum / count)
+            q_c_bn, q_scale_b = centred(q_bn, q_sum / count)
+            bucket_k_b = lsh_buckets(k_c_bn, hash_proj, binning, k_scale_b)
+            bucket_q_b = lsh_buckets(q_c_bn, hash_proj, binning, q_scale_b)
+            # Push t into its key bucket's row (drop the oldest), then read the query's row.
+            row_bs = lsh_table[batch_b, bucket_k_b]
+            row_bs = jnp.concatenate([row_bs[:, 1:], jnp.full((b, 1), t, jnp.int32)], axis=1)
+            lsh_table = lsh_table.at[batch_b, bucket_k_b].set(row_bs)
+            j_bs = lsh_table[batch_b, bucket_q_b]
+            parts.append((j_bs, j_bs >= 0))
+        elif comp == "ks":
+            # The new key goes last, so lax.top_k's lower-index-first rule keeps ties earlier.
+            score_b1 = jax.lax.stop_gradient(key_score.astype(jnp.float32))[:, None]
+            merged_scores = jnp.concatenate([ks_scores, score_b1], axis=1)
+            merged_pos = jnp.concatenate([ks_pos, jnp.full((b, 1), t, jnp.int32)], axis=1)
+            ks_scores, top_bs = jax.lax.top_k(merged_scores, kc)
+            ks_pos = jnp.take_along_axis(merged_pos, top_bs, axis=1)
+            parts.append((ks_pos, ks_pos >= 0))
+        else:
+            raise ValueError(f"unknown component {comp!r} in pattern {pattern!r}")
+    j_bs = jnp.concatenate([jnp.broadcast_to(p[0], (b, p[0].shape[-1])) for p in parts], -1)
+    valid_bs = jnp.concatenate([jnp.broadcast_to(p[1], (b, p[1].shape[-1])) for p in parts], -1)
+    j_bs, valid_bs = dedupe(j_bs, valid_bs)
+    k_bsn = gather_rows(keys, j_bs).astype(jnp.float32)
+    v_bse = gather_rows(values, j_bs).astype(jnp.float32)
+    o_be = softmax_attend(q_bn, k_bsn, v_bse, valid_bs)
+    o_be = jnp.where(t < capacity, o_be, jnp.nan).astype(v.dtype)
+    new_cache = SparseAttentionCache(
+        keys=keys, values=values, t=t + 1, q_sum=q_sum, k_sum=k_sum, lsh_table=lsh_table,
+        ks_scores=ks_scores, ks_pos=ks_pos,
+    )
+    return o_be, new_cache

@@ -1,0 +1,199 @@
+"""The HAX branch in both mixers: step == parallel, causality, the ranking loss, rng behaviour, qk init."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig, SparseConfig
+from hax_jax.layers.hax_attention import init_qk_from_bc, ranking_loss
+from hax_jax.models.blocks import MIXERS
+from hax_jax.models.lm import LanguageModel, rank_loss_sum
+
+TOL = dict(atol=2e-5, rtol=2e-5)  # fp32
+PATTERNS = ["lsh+ks", "lsh", "ks", "sw+sink", "sw+dilated", "full"]
+
+
+def _cfg(kind: str, pattern: str, **sparse) -> ModelConfig:
+    """A small mixer with the branch on; few keys so that selection really is sparse at l = 29."""
+    return ModelConfig(
+        d_model=16, n_layer=2, vocab_size=40, block_pattern=(kind,),
+        mamba=MambaConfig(d_state=8), mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8),
+        sparse=SparseConfig(pattern=pattern, num_keys=8, hash_bits=3, max_len=32, decode_capacity=64, **sparse),
+    )
+
+
+def _mixer(kind: str, pattern: str, seed: int = 0, **sparse):
+    """A mixer whose parameters are moved off their init (E = 1, D = 1 ... would hide mistakes)."""
+    mixer = MIXERS[kind](_cfg(kind, pattern, **sparse), rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(mixer)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 7), len(leaves))
+    leaves = [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+@nnx.jit
+def _run(mixer, u, cache=None, rng=None):
+    """Parallel mode, jitted."""
+    return mixer(u, cache=cache, rng=rng)
+
+
+_step = nnx.jit(lambda mixer, u, cache: mixer.step(u, cache))
+
+
+def _u(b=2, l=29, d=16, seed=0):
+    """Random mixer inputs."""
+    return jax.random.normal(jax.random.key(seed), (b, l, d))
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+@pytest.mark.parametrize("pattern", [p for p in PATTERNS if p != "full"])
+def test_step_equals_parallel(kind, pattern):
+    mixer = _mixer(kind, pattern)
+    u = _u()
+    full, _ = _run(mixer, u)  # the sub-quadratic parallel op
+    y0, cache = _run(mixer, u[:, :9], mixer.init_cache(u.shape[0]))  # prefill (step scan) ...
+    outs = [y0]
+    for t in range(9, u.shape[1]):  # ... then one token at a time
+        y, cache = _step(mixer, u[:, t], cache)
+        outs.append(y[:, None])
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_no_future_leakage(kind, pattern, training):
+    """Gradients see leaks through the attention weights; changed futures see leaks through the
+    (discrete, gradient-free) selection of keys."""
+    graphdef, state = nnx.split(_mixer(kind, pattern))
+    u = _u(b=1)
+    rng = jax.random.key(3) if training else None
+
+    @jax.jit
+    def out(u):
+        return nnx.merge(graphdef, state)(u, rng=rng)[0]
+
+    for i in (4, 17):
+        grad = jax.grad(lambda u: jnp.sum(out(u)[:, i]))(u)
+        assert np.all(np.asarray(grad[:, i + 1 :]) == 0.0), (pattern, i)
+        assert np.any(np.asarray(grad[:, : i + 1]) != 0.0)
+        changed = u.at[:, i + 1 :].set(jax.random.normal(jax.random.key(i), u[:, i + 1 :].shape))
+        np.testing.assert_array_equal(out(changed)[:, : i + 1], out(u)[:, : i + 1])
+
+
+def test_official_code_option_leaks_the_future():
+    """The official code centres and normalises over the whole sequence: early outputs depend on later
+    tokens (through which keys are selected), where ours do not."""
+    u = _u(b=1)
+    changed = u.at[:, 12:].set(jax.random.normal(jax.random.key(9), u[:, 12:].shape))
+    for official, leaks in ((True, True), (False, False)):
+        mixer = _mixer("mamba2", "lsh+ks", official_code=official)
+        before, after = _run(mixer, u)[0][:, :12], _run(mixer, changed)[0][:, :12]
+        assert bool(np.any(np.asarray(before) != np.asarray(after))) == leaks
+    mixer = _mixer("mamba2", "lsh+ks", official_code=True)
+    with pytest.raises(ValueError, match="official_code=True is non-causal"):
+        mixer.step(u[:, 0], mixer.init_cache(1))
+
+
+def _ranking_loss_transcribed(x, q, k, candidates):
+    """Paper eqs. 15-17 written out with loops, for one sequence."""
+    c = len(candidates)
+    y = [sum(1 / (1 + np.exp(-q[i] @ k[j])) for i in range(len(q)) if i >= j) for j in candidates]
+    xs = [x[j] for j in candidates]
+    total = 0.0
+    for a in range(c):
+        for b in range(c):
+            p = xs[a] - xs[b]
+            t = 1.0 if y[a] > y[b] else (0.5 if y[a] == y[b] else 0.0)
+            sig = 1 / (1 + np.exp(-p))
+            total += -(t * np.log(sig) + (1 - t) * np.log(1 - sig))
+    return total / c**2
+
+
+def test_ranking_loss_equals_the_paper():
+    rng = np.random.default_rng(0)
+    l, n = 11, 4
+    x, q, k = rng.normal(size=(2, l)), rng.normal(size=(2, l, n)), rng.normal(size=(2, l, n))
+    candidates = np.array([[0, 3, 7, 10], [2, 5, 6, 9]])
+    # A duplicated target (equal y) must give T = 0.5: make keys 5 and 6 of row 1 equal and last.
+    k[1, 6] = k[1, 5]
+    q[1, 6:] = 0.0
+    ours = ranking_loss(jnp.asarray(x), jnp.asarray(q), jnp.asarray(k), jnp.asarray(candidates))
+    want = np.mean([_ranking_loss_transcribed(x[i], q[i], k[i], candidates[i]) for i in range(2)])
+    np.testing.assert_allclose(ours, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_rank_loss_is_sown_in_training_and_trains_only_the_scorer(kind):
+    mixer = _mixer(kind, "lsh+ks")
+    u = _u()
+    graphdef, params = nnx.split(mixer, nnx.Param)
+
+    def rank_loss(params):
+        _, sown = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(u, rng=jax.random.key(1))
+        return rank_loss_sum(sown)
+
+    loss, grads = jax.value_and_grad(rank_loss)(params)
+    assert np.isfinite(loss) and loss > 0
+    flat = {"/".join(map(str, p)): g for p, g in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]}
+    moved = {name for name, g in flat.items() if np.any(np.asarray(g) != 0)}
+    assert moved and all("scorer" in name for name in moved), moved
+    _, sown = nnx.capture(mixer, nnx.Intermediate)(u)  # evaluation sows nothing
+    assert not jax.tree.leaves(sown)
+
+
+def test_hash_is_resampled_in_training_and_fixed_in_eval():
+    mixer = _mixer("mamba", "lsh")
+    u = _u()
+    a, b = _run(mixer, u, rng=jax.random.key(1))[0], _run(mixer, u, rng=jax.random.key(2))[0]
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(_run(mixer, u)[0], _run(mixer, u)[0])
+
+
+def test_padding_is_never_a_rank_candidate():
+    mixer = _mixer("mamba", "ks")
+    u = _u(b=1)
+    mask = jnp.arange(29)[None] < 6  # 6 real tokens, fewer than kc = 8 candidates
+    with_mask = rank_loss_sum(nnx.capture(mixer, nnx.Intermediate)(u, mask=mask, rng=jax.random.key(0))[1])
+    assert np.isfinite(with_mask) and with_mask > 0
+    # Candidates are sampled among the 6 real positions only: padding rows change nothing.
+    padded = u.at[:, 6:].set(100.0)
+    again = rank_loss_sum(nnx.capture(mixer, nnx.Intermediate)(padded, mask=mask, rng=jax.random.key(0))[1])
+    np.testing.assert_allclose(again, with_mask, **TOL)
+
+
+def test_qk_projection_from_pretrained_b_c():
+    cfg = dataclasses.replace(_cfg("mamba", "lsh+ks"))
+    mixer = MIXERS["mamba"](cfg, rngs=nnx.Rngs(0))
+    kernel = mixer.x_proj.kernel[...]
+    r, n = mixer.dt_rank, mixer.d_state
+    mixer.branch.qk_proj.kernel[...] = init_qk_from_bc(kernel, dt_rank=r, d_state=n)
+    x = jax.random.normal(jax.random.key(0), (3, mixer.d_inner))
+    k, q = jnp.split(mixer.branch.qk_proj(x), 2, axis=-1)
+    _, B, C = jnp.split(mixer.x_proj(x), [r, r + n], axis=-1)
+    np.testing.assert_allclose(k, B, **TOL)
+    np.testing.assert_allclose(q, C, **TOL)
+
+
+def test_hax_lm_trains_and_decodes():
+    cfg = dataclasses.replace(_cfg("mamba2", "lsh+ks"), block_pattern=("mamba2", "mamba"))
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(0), (2, 15), 0, cfg.vocab_size)
+    _, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
+    assert len(jax.tree.leaves(sown)) == cfg.n_layer and rank_loss_sum(sown) > 0
+    full = nnx.jit(lambda m, t: m(t))(model, tokens)
+    logits, cache = nnx.jit(lambda m, t, c: m.forward(t, cache=c))(model, tokens[:, :5], model.init_cache(2))
+    outs = [logits]
+    step = nnx.jit(lambda m, t, c: m.step(t, c))
+    for t in range(5, 15):
+        step_logits, cache = step(model, tokens[:, t], cache)
+        outs.append(step_logits[:, None])
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
+    with pytest.raises(ValueError, match="start from model.init_cache"):
+        _, no_branch_cache = model.forward(tokens[:, :5])
+        model.step(tokens[:, 5], no_branch_cache)
