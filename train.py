@@ -25,10 +25,14 @@ def main(argv: list[str]) -> None:
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     print(f"config {path} with overrides {overrides or 'none'}:")
     print(config_lib.to_dict(cfg))
-    print(f"model: {cfg.model.n_layer} layers {cfg.model.mixer_kinds}, {count:,} parameters, "
-          f"devices: {jax.devices()}")
-    print("training (optax AdamW, grain data, orbax checkpoints, data/seq/tensor sharding) arrives with "
-          "issue #4; this run only checked the config and the model's shapes.")
+    print(
+        f"model: {cfg.model.n_layer} layers {cfg.model.mixer_kinds}, {count:,} parameters, "
+        f"devices: {jax.devices()}"
+    )
+    print(
+        "training (optax AdamW, grain data, orbax checkpoints, data/seq/tensor sharding) arrives with "
+        "issue #4; this run only checked the config and the model's shapes."
+    )
 
 
 if __name__ == "__main__":

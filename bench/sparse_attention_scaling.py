@@ -24,11 +24,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
-    sparse_attention, sparse_attention_reference,
+    sparse_attention,
+    sparse_attention_reference,
 )
-
-HEADING = "## sparse_attention scaling (CPU)"
-COMMAND = "JAX_PLATFORMS=cpu python bench/sparse_attention_scaling.py --write BENCHMARKS.md"
 
 
 def make_inputs(l, n, e, hash_bits, seed=0):
@@ -36,17 +34,30 @@ def make_inputs(l, n, e, hash_bits, seed=0):
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))  # noqa: E731
     return dict(
-        q=normal(1, l, n), k=normal(1, l, n) / np.sqrt(n), v=normal(1, l, e),
-        hash_proj=normal(n, hash_bits), key_scores=normal(1, l), w=normal(1, l, e),
+        q=normal(1, l, n),
+        k=normal(1, l, n) / np.sqrt(n),
+        v=normal(1, l, e),
+        hash_proj=normal(n, hash_bits),
+        key_scores=normal(1, l),
+        w=normal(1, l, e),
     )
 
 
 def compile_fwd_bwd(fn, inputs, num_keys):
     """The compiled forward + backward of sum(o * w) for fn (lsh+ks, sign binning)."""
+
     def loss(q, k, v, hash_proj, key_scores, w):
         """Scalar loss of the attention output."""
-        o = fn(q, k, v, pattern="lsh+ks", num_keys=num_keys, hash_proj=hash_proj,
-               key_scores=key_scores, binning="sign")
+        o = fn(
+            q,
+            k,
+            v,
+            pattern="lsh+ks",
+            num_keys=num_keys,
+            hash_proj=hash_proj,
+            key_scores=key_scores,
+            binning="sign",
+        )
         return jnp.sum(o * w)
 
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
@@ -106,36 +117,54 @@ def table(rows):
     return "\n".join(lines)
 
 
+def heading():
+    """The section heading names the backend, so CPU and GPU sections live side by side."""
+    return f"## sparse_attention scaling ({jax.default_backend().upper()})"
+
+
+def machine():
+    """What ran it: the accelerator's kind, or the CPU."""
+    device = jax.devices()[0]
+    where = f"{device.device_kind}" if device.platform != "cpu" else "CPU only, no accelerator"
+    return (
+        f"Machine: {where}; {os.cpu_count()} CPU cores ({platform.machine()}), "
+        f"jax {jax.__version__}, backend {jax.default_backend()}."
+    )
+
+
 def section(rows, args):
     """The BENCHMARKS.md section: setup, table, notes."""
-    return "\n".join([
-        HEADING,
-        "",
-        f"Machine: {os.cpu_count()} CPU cores ({platform.machine()}), jax {jax.__version__}, "
-        f"backend {jax.default_backend()}; CPU only, no accelerator.",
-        f"Command: `{COMMAND}`",
-        "",
-        f"Forward + backward (jit(value_and_grad) wrt q, k, v) of one head, batch 1, "
-        f"n = {args.n}, e = {args.e}, num_keys = {args.num_keys}, pattern `lsh+ks`, sign "
-        f"binning with h = {args.hash_bits} (256 buckets). Time: median of {args.repeats} runs "
-        "after one warm-up. Peak: the compiled executable's `memory_analysis()`, argument + "
-        "output + temp bytes (XLA's estimate, not a measured RSS). `dense` is the O(l^2) oracle "
-        "`sparse_attention_reference` (same pattern); its time is left out (—) where the "
-        f"estimate exceeds {args.dense_budget_gib} GiB, and it is not compiled past "
-        f"l = {args.dense_max}. `x prev` is the growth over the previous (half as long) row: "
-        "about 2x means linear, about 4x quadratic.",
-        "",
-        table(rows),
-        "",
-    ])
+    return "\n".join(
+        [
+            heading(),
+            "",
+            machine(),
+            f"Command: `python bench/sparse_attention_scaling.py {' '.join(sys.argv[1:])}`",
+            "",
+            f"Forward + backward (jit(value_and_grad) wrt q, k, v) of one head, batch 1, "
+            f"n = {args.n}, e = {args.e}, num_keys = {args.num_keys}, pattern `lsh+ks`, sign "
+            f"binning with h = {args.hash_bits} (256 buckets). Time: median of {args.repeats} runs "
+            "after one warm-up. Peak: the compiled executable's `memory_analysis()`, argument + "
+            "output + temp bytes (XLA's estimate, not a measured RSS). `dense` is the O(l^2) oracle "
+            "`sparse_attention_reference` (same pattern); its time is left out (—) where the "
+            f"estimate exceeds {args.dense_budget_gib} GiB, and it is not compiled past "
+            f"l = {args.dense_max}. `x prev` is the growth over the previous (half as long) row: "
+            "about 2x means linear, about 4x quadratic.",
+            "",
+            table(rows),
+            "",
+        ]
+    )
 
 
 def write_section(path, text):
     """Replace (or append) this script's section of the markdown file at path."""
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
-    pattern = re.compile(re.escape(HEADING) + r"\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text + "\n", old) if pattern.search(old) else (
-        old.rstrip("\n") + "\n\n" + text
+    pattern = re.compile(re.escape(heading()) + r"\n.*?(?=^## |\Z)", re.S | re.M)
+    new = (
+        pattern.sub(lambda _: text + "\n", old)
+        if pattern.search(old)
+        else (old.rstrip("\n") + "\n\n" + text)
     )
     with open(path, "w") as f:
         f.write(new)
@@ -144,8 +173,9 @@ def write_section(path, text):
 def main():
     """Run the sweep, print the table, optionally write it into BENCHMARKS.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+",
-                        default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768]
+    )
     parser.add_argument("--dense-max", type=int, default=16384)
     parser.add_argument("--dense-budget-gib", type=float, default=12.0)
     parser.add_argument("--n", type=int, default=16)
@@ -160,8 +190,9 @@ def main():
         sparse = measure(sparse_attention, l, args)
         dense = (None, None)
         if l <= args.dense_max:
-            dense = measure(sparse_attention_reference, l, args,
-                            budget_bytes=args.dense_budget_gib * 2**30)
+            dense = measure(
+                sparse_attention_reference, l, args, budget_bytes=args.dense_budget_gib * 2**30
+            )
         rows.append(dict(l=l, sparse=sparse, dense=dense))
         print(f"l={l}: sparse {sparse}, dense {dense}", file=sys.stderr, flush=True)
     text = section(rows, args)

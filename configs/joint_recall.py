@@ -8,26 +8,48 @@ d_model 64 and window 64 as the paper states (the code's samba.json says hidden_
 
 import dataclasses
 
-from hax_jax.config import (AttentionConfig, Config, Mamba2Config, MambaConfig, MlpConfig, ModelConfig,
-                            SparseConfig)
+from hax_jax.config import (
+    AttentionConfig,
+    Config,
+    Mamba2Config,
+    MambaConfig,
+    MlpConfig,
+    ModelConfig,
+    SparseConfig,
+)
 
 # The paper's sparse variants -> our patterns; every one has num_keys 64 in total.
 SPARSE = {
-    "none": "", "d": "dilated", "sw": "sw", "sw+d": "sw+dilated", "a": "sw+sink", "lsh": "lsh", "ks": "ks",
+    "none": "",
+    "d": "dilated",
+    "sw": "sw",
+    "sw+d": "sw+dilated",
+    "a": "sw+sink",
+    "lsh": "lsh",
+    "ks": "ks",
     "hax": "lsh+ks",
 }
-VARIANTS = tuple(f"{base},{name}" for base in ("mamba", "mamba2") for name in (*SPARSE, "double")) + ("samba",)
+VARIANTS = tuple(
+    f"{base},{name}" for base in ("mamba", "mamba2") for name in (*SPARSE, "double")
+) + ("samba",)
 
 
 def _base(d_model: int, base: str) -> ModelConfig:
     """The HAX code's 2-layer Mamba / Mamba-2 on the joint-recall vocabulary (100 tokens, untied)."""
     return ModelConfig(
-        d_model=d_model, n_layer=2, vocab_size=100, pad_vocab_size_multiple=1, block_pattern=(base,),
-        tie_embeddings=False, residual_in_fp32=base == "mamba2",
+        d_model=d_model,
+        n_layer=2,
+        vocab_size=100,
+        pad_vocab_size_multiple=1,
+        block_pattern=(base,),
+        tie_embeddings=False,
+        residual_in_fp32=base == "mamba2",
         mamba=MambaConfig(d_state=16, dt_rank=8),
         mamba2=Mamba2Config(d_state=32, headdim=d_model // 4, chunk_size=256),
         # sign-bit LSH with h = 8, resampled every step; dilation from the padded length 1058.
-        sparse=SparseConfig(num_keys=64, hash_bits=8, binning="sign", max_len=1058, rank_loss_weight=0.1),
+        sparse=SparseConfig(
+            num_keys=64, hash_bits=8, binning="sign", max_len=1058, rank_loss_weight=0.1
+        ),
     )
 
 
@@ -35,8 +57,11 @@ def get_config(variant: str = "mamba,hax") -> Config:
     """One cell of the grid."""
     if variant == "samba":
         model = dataclasses.replace(
-            _base(64, "mamba"), n_layer=4, block_pattern=("mamba", "mlp", "swa", "mlp"),
-            attention=AttentionConfig(n_heads=4, window=64), mlp=MlpConfig(hidden_ratio=4.0),
+            _base(64, "mamba"),
+            n_layer=4,
+            block_pattern=("mamba", "mlp", "swa", "mlp"),
+            attention=AttentionConfig(n_heads=4, window=64),
+            mlp=MlpConfig(hidden_ratio=4.0),
         )
         return Config(model=model)
     base, _, name = variant.partition(",")
@@ -45,4 +70,8 @@ def get_config(variant: str = "mamba,hax") -> Config:
     if name == "double":
         return Config(model=_base(128, base))
     model = _base(64, base)
-    return Config(model=dataclasses.replace(model, sparse=dataclasses.replace(model.sparse, pattern=SPARSE[name])))
+    return Config(
+        model=dataclasses.replace(
+            model, sparse=dataclasses.replace(model.sparse, pattern=SPARSE[name])
+        )
+    )

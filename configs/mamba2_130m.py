@@ -5,5 +5,12 @@ from hax_jax.config import Config, ModelConfig
 
 def get_config() -> Config:
     """Mamba-2, d_model=768, 24 layers, d_state 128, headdim 64, vocab 50277 padded to 50288, tied."""
-    return Config(model=ModelConfig(d_model=768, n_layer=24, vocab_size=50277, pad_vocab_size_multiple=16,
-                                    block_pattern=("mamba2",)))
+    return Config(
+        model=ModelConfig(
+            d_model=768,
+            n_layer=24,
+            vocab_size=50277,
+            pad_vocab_size_multiple=16,
+            block_pattern=("mamba2",),
+        )
+    )

@@ -5,5 +5,12 @@ from hax_jax.config import Config, ModelConfig
 
 def get_config() -> Config:
     """Mamba-1, d_model=2560, 64 layers, vocab 50277 padded to 50280, tied embeddings."""
-    return Config(model=ModelConfig(d_model=2560, n_layer=64, vocab_size=50277, pad_vocab_size_multiple=8,
-                                    block_pattern=("mamba",)))
+    return Config(
+        model=ModelConfig(
+            d_model=2560,
+            n_layer=64,
+            vocab_size=50277,
+            pad_vocab_size_multiple=8,
+            block_pattern=("mamba",),
+        )
+    )

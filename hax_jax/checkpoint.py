@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -24,7 +23,9 @@ def save_pretrained(model: LanguageModel, path: str | Path) -> None:
     """Writes `path/config.json` and `path/params` (orbax); `path` must not hold a checkpoint yet."""
     path = Path(path).absolute()
     if (path / PARAMS_DIR).exists():
-        raise FileExistsError(f"{str(path / PARAMS_DIR)!r} already exists; choose a new output directory")
+        raise FileExistsError(
+            f"{str(path / PARAMS_DIR)!r} already exists; choose a new output directory"
+        )
     path.mkdir(parents=True, exist_ok=True)
     config_lib.save_json(model.cfg, path / CONFIG_FILE)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -45,7 +46,9 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> LanguageMo
     path = Path(path).absolute()
     for needed in (CONFIG_FILE, PARAMS_DIR):
         if not (path / needed).exists():
-            raise FileNotFoundError(f"{str(path)!r} is not a hax_jax checkpoint: {needed} is missing")
+            raise FileNotFoundError(
+                f"{str(path)!r} is not a hax_jax checkpoint: {needed} is missing"
+            )
     cfg = config_lib.load_json(ModelConfig, path / CONFIG_FILE)
     if dtype is not None:
         cfg = config_lib.apply_overrides(cfg, [f"dtype={dtype}"])
@@ -54,7 +57,8 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> LanguageMo
     # An explicit sharding: a checkpoint written on another platform (CPU -> GPU) restores here.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(abstract_state)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        nnx.to_pure_dict(abstract_state),
     )
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(path / PARAMS_DIR, target)

@@ -21,14 +21,18 @@ SPARSE_COMPONENTS = ("sw", "sink", "dilated", "lsh", "ks", "full")
 class SparseConfig:
     """The sparse-attention branch beside every mamba / mamba2 mixer (HAX paper §4; SPEC §1.3)."""
 
-    pattern: str = ""  # "" = no branch; else '+'-joined components of SPARSE_COMPONENTS ("lsh+ks" = HAX)
+    pattern: str = (
+        ""  # "" = no branch; else '+'-joined components of SPARSE_COMPONENTS ("lsh+ks" = HAX)
+    )
     num_keys: int = 64  # keys per query over all components; each gets num_keys // n_components
     hash_bits: int = 8  # lsh: h random projections (2^h sign-bit buckets, or h argmax buckets)
     binning: Literal["sign", "argmax"] = "sign"  # lsh bucket rule (paper eqs. 6-7)
     max_len: int = 1058  # dilated: dilation = max_len // (keys per component)
     rank_loss_weight: float = 0.1  # alpha in L = L_task + alpha * sum_layers L_rank
     eval_hash_seed: int = 0  # the fixed hash projection used in evaluation
-    official_code: bool = False  # the official code's (leaky, dense) behaviours instead of the paper's
+    official_code: bool = (
+        False  # the official code's (leaky, dense) behaviours instead of the paper's
+    )
     decode_capacity: int = 4096  # tokens the decode cache holds (keys, values, buckets)
 
     def __post_init__(self):
@@ -36,16 +40,22 @@ class SparseConfig:
             parts = self.pattern.split("+")
             for part in parts:
                 if part not in SPARSE_COMPONENTS:
-                    raise ValueError(f"unknown sparse component {part!r} in sparse.pattern={self.pattern!r}; "
-                                     f"known: {SPARSE_COMPONENTS}")
+                    raise ValueError(
+                        f"unknown sparse component {part!r} in sparse.pattern={self.pattern!r}; "
+                        f"known: {SPARSE_COMPONENTS}"
+                    )
             if len(set(parts)) != len(parts):
                 raise ValueError(f"sparse.pattern={self.pattern!r} repeats a component")
             if "full" in parts and len(parts) > 1:
                 raise ValueError(f"sparse.pattern={self.pattern!r}: 'full' cannot be combined")
             if self.num_keys < len(parts):
-                raise ValueError(f"sparse.num_keys={self.num_keys} is below the {len(parts)} components")
+                raise ValueError(
+                    f"sparse.num_keys={self.num_keys} is below the {len(parts)} components"
+                )
         if self.hash_bits < 1 or (self.binning == "sign" and self.hash_bits > 30):
-            raise ValueError(f"sparse.hash_bits={self.hash_bits} must be in [1, 30] for sign binning")
+            raise ValueError(
+                f"sparse.hash_bits={self.hash_bits} must be in [1, 30] for sign binning"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,7 +73,9 @@ class AttentionConfig:
 class MlpConfig:
     """The SwiGLU MLP block ("mlp")."""
 
-    hidden_ratio: float = 4.0  # d_ff = 2/3 * hidden_ratio * d_model, rounded up to a multiple of 256 ...
+    hidden_ratio: float = (
+        4.0  # d_ff = 2/3 * hidden_ratio * d_model, rounded up to a multiple of 256 ...
+    )
     d_ff: int | None = None  # ... unless given here
 
 
@@ -134,7 +146,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype; params are fp32
     mamba: MambaConfig = MambaConfig()  # settings of every "mamba" layer
     mamba2: Mamba2Config = Mamba2Config()  # settings of every "mamba2" layer
-    sparse: SparseConfig = SparseConfig()  # the sparse-attention branch of every mamba / mamba2 layer
+    sparse: SparseConfig = (
+        SparseConfig()
+    )  # the sparse-attention branch of every mamba / mamba2 layer
     attention: AttentionConfig = AttentionConfig()  # settings of every "attention" / "swa" layer
     mlp: MlpConfig = MlpConfig()  # settings of every "mlp" layer
     infini: InfiniConfig = InfiniConfig()  # settings of every "infini" layer
@@ -147,7 +161,9 @@ class ModelConfig:
             raise ValueError("model.block_pattern must name at least one mixer kind")
         for kind in self.block_pattern:
             if kind not in MIXER_KINDS:
-                raise ValueError(f"unknown mixer kind {kind!r} in model.block_pattern; known: {MIXER_KINDS}")
+                raise ValueError(
+                    f"unknown mixer kind {kind!r} in model.block_pattern; known: {MIXER_KINDS}"
+                )
         if self.n_layer % len(self.block_pattern):
             raise ValueError(
                 f"model.n_layer={self.n_layer} must be a multiple of "
@@ -157,7 +173,9 @@ class ModelConfig:
             m2 = self.mamba2
             d_inner = m2.expand * self.d_model
             if d_inner % m2.headdim:
-                raise ValueError(f"d_inner={d_inner} must be a multiple of mamba2.headdim={m2.headdim}")
+                raise ValueError(
+                    f"d_inner={d_inner} must be a multiple of mamba2.headdim={m2.headdim}"
+                )
             if (d_inner // m2.headdim) % m2.ngroups:
                 raise ValueError(
                     f"n_heads={d_inner // m2.headdim} must be a multiple of mamba2.ngroups={m2.ngroups}"
@@ -201,17 +219,23 @@ def _replace_path(obj: Any, path: list[str], raw: str, key: str) -> Any:
     """Replaces the field at `path` in the dataclass `obj` by `raw` parsed to its type."""
     names = [f.name for f in dataclasses.fields(obj)]
     if path[0] not in names:
-        raise ValueError(f"unknown config key {key!r}: {type(obj).__name__} has no field {path[0]!r} "
-                         f"(fields: {', '.join(names)})")
+        raise ValueError(
+            f"unknown config key {key!r}: {type(obj).__name__} has no field {path[0]!r} "
+            f"(fields: {', '.join(names)})"
+        )
     hint = typing.get_type_hints(type(obj))[path[0]]
     if len(path) == 1:
         if dataclasses.is_dataclass(hint):
-            raise ValueError(f"config key {key!r} is a section; set one of its fields, e.g. {key}.<field>=...")
+            raise ValueError(
+                f"config key {key!r} is a section; set one of its fields, e.g. {key}.<field>=..."
+            )
         value = parse_value(raw, hint, key)
     else:
         child = getattr(obj, path[0])
         if not dataclasses.is_dataclass(child):
-            raise ValueError(f"unknown config key {key!r}: {path[0]!r} is a {hint} field, not a section")
+            raise ValueError(
+                f"unknown config key {key!r}: {path[0]!r} is a {hint} field, not a section"
+            )
         value = _replace_path(child, path[1:], raw, key)
     return dataclasses.replace(obj, **{path[0]: value})
 
@@ -252,7 +276,9 @@ def parse_value(raw: str, hint: Any, key: str) -> Any:
             return hint(text)
         except ValueError:
             raise bad from None
-    raise ValueError(f"config key {key!r} has a type ({_type_name(hint)}) that cannot be set from the CLI")
+    raise ValueError(
+        f"config key {key!r} has a type ({_type_name(hint)}) that cannot be set from the CLI"
+    )
 
 
 def _type_name(hint: Any) -> str:
@@ -273,7 +299,9 @@ def from_dict(cls: type, data: dict, *, where: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     unknown = set(data) - set(hints)
     if unknown:
-        raise ValueError(f"unknown config keys {sorted(where + k for k in unknown)} for {cls.__name__}")
+        raise ValueError(
+            f"unknown config keys {sorted(where + k for k in unknown)} for {cls.__name__}"
+        )
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]

@@ -22,8 +22,20 @@ from hax_jax.models.lm import LanguageModel
 
 # mamba_ssm ssm_cfg keys that only shape the init (or the PyTorch runtime), never the function.
 _INIT_ONLY_KEYS = {
-    "dt_init", "dt_min", "dt_max", "dt_init_floor", "dt_scale", "A_init_range", "use_fast_path",
-    "layer_idx", "device", "dtype", "process_group", "sequence_parallel", "conv_init", "layer",
+    "dt_init",
+    "dt_min",
+    "dt_max",
+    "dt_init_floor",
+    "dt_scale",
+    "A_init_range",
+    "use_fast_path",
+    "layer_idx",
+    "device",
+    "dtype",
+    "process_group",
+    "sequence_parallel",
+    "conv_init",
+    "layer",
     "learnable_init_states",
 }
 
@@ -46,11 +58,15 @@ def read_config(src: Path) -> ModelConfig:
             return _from_hf_mamba(raw)
         if raw["model_type"] == "mamba2":
             return _from_hf_mamba2(raw)
-        raise ConversionError(f"unknown model_type {raw['model_type']!r} in {str(path)!r}; "
-                              "expected 'mamba' or 'mamba2'")
+        raise ConversionError(
+            f"unknown model_type {raw['model_type']!r} in {str(path)!r}; "
+            "expected 'mamba' or 'mamba2'"
+        )
     if "d_model" in raw and "n_layer" in raw:
         return _from_mamba_ssm(raw)
-    raise ConversionError(f"{str(path)!r} is not a Mamba config: no model_type, and no d_model/n_layer")
+    raise ConversionError(
+        f"{str(path)!r} is not a Mamba config: no model_type, and no d_model/n_layer"
+    )
 
 
 def _float(value) -> float:
@@ -61,7 +77,9 @@ def _float(value) -> float:
 def _require(raw: dict, key: str, allowed, where: str):
     """Errors unless raw[key] (when present) is one of `allowed`."""
     if key in raw and raw[key] not in allowed:
-        raise ConversionError(f"{where}: {key}={raw[key]!r} is not supported (supported: {allowed})")
+        raise ConversionError(
+            f"{where}: {key}={raw[key]!r} is not supported (supported: {allowed})"
+        )
 
 
 def _from_hf_mamba(raw: dict) -> ModelConfig:
@@ -70,16 +88,25 @@ def _from_hf_mamba(raw: dict) -> ModelConfig:
     d = raw["hidden_size"]
     rank = raw.get("time_step_rank", "auto")
     return ModelConfig(
-        d_model=d, n_layer=raw["num_hidden_layers"], vocab_size=raw["vocab_size"],
+        d_model=d,
+        n_layer=raw["num_hidden_layers"],
+        vocab_size=raw["vocab_size"],
         pad_vocab_size_multiple=1,  # HF stores the padded vocab
-        block_pattern=("mamba",), tie_embeddings=raw.get("tie_word_embeddings", True),
-        residual_in_fp32=raw.get("residual_in_fp32", True), norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        block_pattern=("mamba",),
+        tie_embeddings=raw.get("tie_word_embeddings", True),
+        residual_in_fp32=raw.get("residual_in_fp32", True),
+        norm_eps=raw.get("layer_norm_epsilon", 1e-5),
         mamba=MambaConfig(
-            d_state=raw.get("state_size", 16), d_conv=raw.get("conv_kernel", 4), expand=raw.get("expand", 2),
+            d_state=raw.get("state_size", 16),
+            d_conv=raw.get("conv_kernel", 4),
+            expand=raw.get("expand", 2),
             dt_rank=math.ceil(d / 16) if rank == "auto" else int(rank),
-            dt_min=raw.get("time_step_min", 1e-3), dt_max=raw.get("time_step_max", 0.1),
-            dt_init_floor=raw.get("time_step_floor", 1e-4), dt_scale=raw.get("time_step_scale", 1.0),
-            conv_bias=raw.get("use_conv_bias", True), bias=raw.get("use_bias", False),
+            dt_min=raw.get("time_step_min", 1e-3),
+            dt_max=raw.get("time_step_max", 0.1),
+            dt_init_floor=raw.get("time_step_floor", 1e-4),
+            dt_scale=raw.get("time_step_scale", 1.0),
+            conv_bias=raw.get("use_conv_bias", True),
+            bias=raw.get("use_bias", False),
         ),
     )
 
@@ -90,20 +117,32 @@ def _from_hf_mamba2(raw: dict) -> ModelConfig:
     d, expand = raw["hidden_size"], raw.get("expand", 2)
     heads, headdim = raw.get("num_heads", 128), raw.get("head_dim", 64)
     if d * expand != heads * headdim:
-        raise ConversionError(f"HF mamba2 config: hidden_size*expand={d * expand} != "
-                              f"num_heads*head_dim={heads * headdim}")
+        raise ConversionError(
+            f"HF mamba2 config: hidden_size*expand={d * expand} != "
+            f"num_heads*head_dim={heads * headdim}"
+        )
     return ModelConfig(
-        d_model=d, n_layer=raw["num_hidden_layers"], vocab_size=raw["vocab_size"],
-        pad_vocab_size_multiple=1, block_pattern=("mamba2",),
+        d_model=d,
+        n_layer=raw["num_hidden_layers"],
+        vocab_size=raw["vocab_size"],
+        pad_vocab_size_multiple=1,
+        block_pattern=("mamba2",),
         tie_embeddings=raw.get("tie_word_embeddings", False),
-        residual_in_fp32=raw.get("residual_in_fp32", True), norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        residual_in_fp32=raw.get("residual_in_fp32", True),
+        norm_eps=raw.get("layer_norm_epsilon", 1e-5),
         mamba2=Mamba2Config(
-            d_state=raw.get("state_size", 128), d_conv=raw.get("conv_kernel", 4), expand=expand,
-            headdim=headdim, ngroups=raw.get("n_groups", 8), chunk_size=raw.get("chunk_size", 256),
-            dt_min=raw.get("time_step_min", 1e-3), dt_max=raw.get("time_step_max", 0.1),
+            d_state=raw.get("state_size", 128),
+            d_conv=raw.get("conv_kernel", 4),
+            expand=expand,
+            headdim=headdim,
+            ngroups=raw.get("n_groups", 8),
+            chunk_size=raw.get("chunk_size", 256),
+            dt_min=raw.get("time_step_min", 1e-3),
+            dt_max=raw.get("time_step_max", 0.1),
             dt_init_floor=raw.get("time_step_floor", 1e-4),
             dt_limit=tuple(_float(v) for v in raw.get("time_step_limit", (0.0, math.inf))),
-            conv_bias=raw.get("use_conv_bias", True), bias=raw.get("use_bias", False),
+            conv_bias=raw.get("use_conv_bias", True),
+            bias=raw.get("use_bias", False),
         ),
     )
 
@@ -112,44 +151,73 @@ def _from_mamba_ssm(raw: dict) -> ModelConfig:
     """mamba_ssm MambaConfig (d_model, n_layer, ssm_cfg, ...) -> ModelConfig."""
     where = "mamba_ssm config"
     if raw.get("attn_layer_idx"):
-        raise ConversionError(f"{where}: attention layers (attn_layer_idx={raw['attn_layer_idx']}) "
-                              "are not supported")
+        raise ConversionError(
+            f"{where}: attention layers (attn_layer_idx={raw['attn_layer_idx']}) are not supported"
+        )
     if raw.get("d_intermediate", 0):
-        raise ConversionError(f"{where}: MLP layers (d_intermediate={raw['d_intermediate']}) are not supported")
+        raise ConversionError(
+            f"{where}: MLP layers (d_intermediate={raw['d_intermediate']}) are not supported"
+        )
     _require(raw, "rms_norm", (True,), where)
     ssm = dict(raw.get("ssm_cfg") or {})
     layer = ssm.get("layer", "Mamba1")
     if layer not in ("Mamba1", "Mamba2"):
-        raise ConversionError(f"{where}: unknown ssm_cfg.layer {layer!r}; expected 'Mamba1' or 'Mamba2'")
+        raise ConversionError(
+            f"{where}: unknown ssm_cfg.layer {layer!r}; expected 'Mamba1' or 'Mamba2'"
+        )
     _require(ssm, "activation", ("silu", "swish"), where)
     for key in ("rmsnorm",):
         _require(ssm, key, (True,), where)
     for key in ("norm_before_gate", "D_has_hdim"):
         _require(ssm, key, (False,), where)
     init_kw = {k: ssm[k] for k in ("dt_min", "dt_max", "dt_init_floor") if k in ssm}
-    base = dict(d_model=raw["d_model"], n_layer=raw["n_layer"], vocab_size=raw["vocab_size"],
-                pad_vocab_size_multiple=raw.get("pad_vocab_size_multiple", 8),
-                tie_embeddings=raw.get("tie_embeddings", True),
-                residual_in_fp32=raw.get("residual_in_fp32", True))
-    structural = {"d_state", "d_conv", "expand", "conv_bias", "bias", "activation", "rmsnorm",
-                  "norm_before_gate", "D_has_hdim"}
+    base = dict(
+        d_model=raw["d_model"],
+        n_layer=raw["n_layer"],
+        vocab_size=raw["vocab_size"],
+        pad_vocab_size_multiple=raw.get("pad_vocab_size_multiple", 8),
+        tie_embeddings=raw.get("tie_embeddings", True),
+        residual_in_fp32=raw.get("residual_in_fp32", True),
+    )
+    structural = {
+        "d_state",
+        "d_conv",
+        "expand",
+        "conv_bias",
+        "bias",
+        "activation",
+        "rmsnorm",
+        "norm_before_gate",
+        "D_has_hdim",
+    }
     if layer == "Mamba1":
         known = structural | {"dt_rank"}
         _check_known(ssm, known, where)
         rank = ssm.get("dt_rank", "auto")
         mixer = MambaConfig(
-            d_state=ssm.get("d_state", 16), d_conv=ssm.get("d_conv", 4), expand=ssm.get("expand", 2),
-            dt_rank=None if rank == "auto" else int(rank), dt_scale=ssm.get("dt_scale", 1.0),
-            conv_bias=ssm.get("conv_bias", True), bias=ssm.get("bias", False), **init_kw,
+            d_state=ssm.get("d_state", 16),
+            d_conv=ssm.get("d_conv", 4),
+            expand=ssm.get("expand", 2),
+            dt_rank=None if rank == "auto" else int(rank),
+            dt_scale=ssm.get("dt_scale", 1.0),
+            conv_bias=ssm.get("conv_bias", True),
+            bias=ssm.get("bias", False),
+            **init_kw,
         )
         return ModelConfig(block_pattern=("mamba",), mamba=mixer, **base)
     _check_known(ssm, structural | {"headdim", "ngroups", "chunk_size", "dt_limit"}, where)
     mixer = Mamba2Config(
-        d_state=ssm.get("d_state", 128), d_conv=ssm.get("d_conv", 4), expand=ssm.get("expand", 2),
-        headdim=ssm.get("headdim", 64), ngroups=ssm.get("ngroups", 1), chunk_size=ssm.get("chunk_size", 256),
+        d_state=ssm.get("d_state", 128),
+        d_conv=ssm.get("d_conv", 4),
+        expand=ssm.get("expand", 2),
+        headdim=ssm.get("headdim", 64),
+        ngroups=ssm.get("ngroups", 1),
+        chunk_size=ssm.get("chunk_size", 256),
         dt_limit=tuple(_float(v) for v in ssm.get("dt_limit", (0.0, math.inf))),
         A_init_range=tuple(ssm.get("A_init_range", (1.0, 16.0))),
-        conv_bias=ssm.get("conv_bias", True), bias=ssm.get("bias", False), **init_kw,
+        conv_bias=ssm.get("conv_bias", True),
+        bias=ssm.get("bias", False),
+        **init_kw,
     )
     return ModelConfig(block_pattern=("mamba2",), mamba2=mixer, **base)
 
@@ -164,24 +232,56 @@ def _check_known(ssm: dict, known: set, where: str) -> None:
 def hf_config(cfg: ModelConfig) -> dict:
     """The HF config.json of a pure Mamba or Mamba-2 ModelConfig."""
     kinds = set(cfg.block_pattern)
-    common = dict(hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer, vocab_size=cfg.padded_vocab_size,
-                  tie_word_embeddings=cfg.tie_embeddings, residual_in_fp32=cfg.residual_in_fp32,
-                  layer_norm_epsilon=cfg.norm_eps, hidden_act="silu")
+    common = dict(
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layer,
+        vocab_size=cfg.padded_vocab_size,
+        tie_word_embeddings=cfg.tie_embeddings,
+        residual_in_fp32=cfg.residual_in_fp32,
+        layer_norm_epsilon=cfg.norm_eps,
+        hidden_act="silu",
+    )
     if kinds == {"mamba"}:
         m = cfg.mamba
-        return dict(model_type="mamba", architectures=["MambaForCausalLM"], state_size=m.d_state,
-                    conv_kernel=m.d_conv, expand=m.expand, time_step_rank=m.dt_rank or math.ceil(cfg.d_model / 16),
-                    time_step_min=m.dt_min, time_step_max=m.dt_max, time_step_floor=m.dt_init_floor,
-                    time_step_scale=m.dt_scale, use_conv_bias=m.conv_bias, use_bias=m.bias, **common)
+        return dict(
+            model_type="mamba",
+            architectures=["MambaForCausalLM"],
+            state_size=m.d_state,
+            conv_kernel=m.d_conv,
+            expand=m.expand,
+            time_step_rank=m.dt_rank or math.ceil(cfg.d_model / 16),
+            time_step_min=m.dt_min,
+            time_step_max=m.dt_max,
+            time_step_floor=m.dt_init_floor,
+            time_step_scale=m.dt_scale,
+            use_conv_bias=m.conv_bias,
+            use_bias=m.bias,
+            **common,
+        )
     if kinds == {"mamba2"}:
         m = cfg.mamba2
-        return dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], state_size=m.d_state,
-                    conv_kernel=m.d_conv, expand=m.expand, head_dim=m.headdim,
-                    num_heads=m.expand * cfg.d_model // m.headdim, n_groups=m.ngroups, chunk_size=m.chunk_size,
-                    time_step_min=m.dt_min, time_step_max=m.dt_max, time_step_floor=m.dt_init_floor,
-                    time_step_limit=list(m.dt_limit), use_conv_bias=m.conv_bias, use_bias=m.bias, **common)
-    raise ConversionError(f"block_pattern {cfg.block_pattern} has no HF equivalent; "
-                          "only pure ('mamba',) or ('mamba2',) models convert to HF")
+        return dict(
+            model_type="mamba2",
+            architectures=["Mamba2ForCausalLM"],
+            state_size=m.d_state,
+            conv_kernel=m.d_conv,
+            expand=m.expand,
+            head_dim=m.headdim,
+            num_heads=m.expand * cfg.d_model // m.headdim,
+            n_groups=m.ngroups,
+            chunk_size=m.chunk_size,
+            time_step_min=m.dt_min,
+            time_step_max=m.dt_max,
+            time_step_floor=m.dt_init_floor,
+            time_step_limit=list(m.dt_limit),
+            use_conv_bias=m.conv_bias,
+            use_bias=m.bias,
+            **common,
+        )
+    raise ConversionError(
+        f"block_pattern {cfg.block_pattern} has no HF equivalent; "
+        "only pure ('mamba',) or ('mamba2',) models convert to HF"
+    )
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -200,8 +300,10 @@ def read_tensors(src: Path) -> dict[str, np.ndarray]:
         bins = [src / f for f in sorted(set(index["weight_map"].values()))]
     if bins:
         return _read_torch(bins)
-    raise ConversionError(f"{str(src)!r} holds no weights: looked for model.safetensors, "
-                          "model.safetensors.index.json, pytorch_model.bin(.index.json)")
+    raise ConversionError(
+        f"{str(src)!r} holds no weights: looked for model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin(.index.json)"
+    )
 
 
 def _read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
@@ -221,7 +323,9 @@ def _read_torch(files: list[Path]) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError as e:
-        raise ConversionError("reading pytorch_model.bin needs torch: pip install 'hax-jax[convert]'") from e
+        raise ConversionError(
+            "reading pytorch_model.bin needs torch: pip install 'hax-jax[convert]'"
+        ) from e
     out = {}
     for f in files:
         for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
@@ -293,7 +397,9 @@ def tensors_to_model(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> Langua
         key = keys[_names(path)]
         want = _hf_shape(_names(path), leaf.shape)
         if tuple(tensors[key].shape) != want:
-            raise ConversionError(f"tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {want}")
+            raise ConversionError(
+                f"tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {want}"
+            )
         return jax.numpy.asarray(_to_ours(_names(path), tensors[key]), jax.numpy.float32)
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(load, nested))
@@ -306,7 +412,9 @@ def model_to_tensors(model: LanguageModel) -> dict[str, np.ndarray]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         names = _names(path)
-        out[_hf_key(names, "embeddings")] = np.ascontiguousarray(_to_hf(names, np.asarray(leaf, np.float32)))
+        out[_hf_key(names, "embeddings")] = np.ascontiguousarray(
+            _to_hf(names, np.asarray(leaf, np.float32))
+        )
     return out
 
 
@@ -334,7 +442,9 @@ def to_hf_dir(model: LanguageModel, out: str | Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The command line."""
-    parser = argparse.ArgumentParser(prog="python -m hax_jax.convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hax_jax.convert", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("src", help="source directory")
     parser.add_argument("out", help="output directory")
     parser.add_argument("--to-hf", action="store_true", help="hax_jax checkpoint -> HF directory")

@@ -63,8 +63,10 @@ class Attention(nnx.Module):
         a = cfg.attention
         d, h = cfg.d_model, a.n_heads
         if a.head_dim is None and d % h:
-            raise ValueError(f"d_model={d} must be a multiple of attention.n_heads={h} "
-                             "(or set attention.head_dim)")
+            raise ValueError(
+                f"d_model={d} must be a multiple of attention.n_heads={h} "
+                "(or set attention.head_dim)"
+            )
         hd = a.head_dim or d // h
         if window is not None and window < 2:
             raise ValueError(f"attention.window must be >= 2 for swa, got {window}")
@@ -92,8 +94,10 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array, positions: jax.Array):
         """x (b, l, d), positions (l,) -> rotated q, rotated k, v, each (b, l, h, head_dim)."""
         b, l, _ = x.shape
-        q, k, v = (p(x).reshape(b, l, self.n_heads, self.head_dim)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).reshape(b, l, self.n_heads, self.head_dim)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         return apply_rope(q, positions, self.theta), apply_rope(k, positions, self.theta), v
 
     def _out(self, o: jax.Array) -> jax.Array:
@@ -169,8 +173,8 @@ class Attention(nnx.Module):
         o = o.reshape(b, nb * w, h, hd)[:, :l]
         # The new cache: the last w - 1 tokens in time order, laid out as the ring buffer.
         end = p + l
-        last_k = jnp.concatenate([hist_k, k.astype(hist_k.dtype)], axis=1)[:, -(w - 1):]
-        last_v = jnp.concatenate([hist_v, v.astype(hist_v.dtype)], axis=1)[:, -(w - 1):]
+        last_k = jnp.concatenate([hist_k, k.astype(hist_k.dtype)], axis=1)[:, -(w - 1) :]
+        last_v = jnp.concatenate([hist_v, v.astype(hist_v.dtype)], axis=1)[:, -(w - 1) :]
         shift = end % (w - 1)
         return o, KVCache(jnp.roll(last_k, shift, axis=1), jnp.roll(last_v, shift, axis=1), end)
 

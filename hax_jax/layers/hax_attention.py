@@ -43,12 +43,16 @@ def ranking_loss(scores_bl, q_bln, k_bln, candidates_bc, mask_bl=None) -> jax.Ar
     later_blc = jnp.arange(l)[None, :, None] >= candidates_bc[:, None, :]
     if mask_bl is not None:
         later_blc = later_blc & mask_bl[:, :, None]
-    y_bc = jax.lax.stop_gradient(jnp.sum(jnp.where(later_blc, jax.nn.sigmoid(logits_blc), 0.0), axis=1))
+    y_bc = jax.lax.stop_gradient(
+        jnp.sum(jnp.where(later_blc, jax.nn.sigmoid(logits_blc), 0.0), axis=1)
+    )
     target_bcc = jnp.where(y_bc[:, :, None] > y_bc[:, None, :], 1.0, 0.0)
     target_bcc = jnp.where(y_bc[:, :, None] == y_bc[:, None, :], 0.5, target_bcc)
     pair_bcc = x_bc[:, :, None] - x_bc[:, None, :]
     # BCE with logits, stable: max(p, 0) - p t + log(1 + exp(-|p|)).
-    bce_bcc = jnp.maximum(pair_bcc, 0) - pair_bcc * target_bcc + jnp.log1p(jnp.exp(-jnp.abs(pair_bcc)))
+    bce_bcc = (
+        jnp.maximum(pair_bcc, 0) - pair_bcc * target_bcc + jnp.log1p(jnp.exp(-jnp.abs(pair_bcc)))
+    )
     if mask_bl is None:
         return jnp.mean(bce_bcc)
     valid_bc = jnp.take_along_axis(mask_bl, candidates_bc, axis=1)
@@ -61,10 +65,15 @@ class KeyScorer(nnx.Module):
 
     def __init__(self, d_state: int, *, rngs: nnx.Rngs):
         def linear(i, o):
-            return nnx.Linear(i, o, kernel_init=torch_linear_init(i), bias_init=torch_linear_init(i), rngs=rngs)
+            return nnx.Linear(
+                i, o, kernel_init=torch_linear_init(i), bias_init=torch_linear_init(i), rngs=rngs
+            )
 
-        self.fc1, self.fc2, self.fc3 = linear(2 * d_state, 2 * d_state), linear(2 * d_state, 2 * d_state), \
-            linear(2 * d_state, 1)
+        self.fc1, self.fc2, self.fc3 = (
+            linear(2 * d_state, 2 * d_state),
+            linear(2 * d_state, 2 * d_state),
+            linear(2 * d_state, 1),
+        )
 
     def __call__(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
         """k, q_sum (..., N) (q_sum already normalised) -> scores (...,) fp32; no gradient to k or q."""
@@ -82,8 +91,14 @@ class HaxBranch(nnx.Module):
         self.cfg, self.d_state, self.d_inner = s, d_state, d_inner
         self.components = tuple(s.pattern.split("+"))
         self.keys_per_component = s.num_keys // len(self.components)
-        self.qk_proj = nnx.Linear(d_inner, 2 * d_state, use_bias=False, dtype=jnp.dtype(cfg.dtype),
-                                  kernel_init=torch_linear_init(d_inner), rngs=rngs)
+        self.qk_proj = nnx.Linear(
+            d_inner,
+            2 * d_state,
+            use_bias=False,
+            dtype=jnp.dtype(cfg.dtype),
+            kernel_init=torch_linear_init(d_inner),
+            rngs=rngs,
+        )
         self.E = nnx.Param(jnp.ones((d_inner,), jnp.float32))
         self.scorer = KeyScorer(d_state, rngs=rngs) if "ks" in self.components else None
 
@@ -109,15 +124,24 @@ class HaxBranch(nnx.Module):
         q_sum = l2_normalize(q_sum, axis=1 if self.cfg.official_code else -1)
         return self.scorer(k_bln, q_sum)
 
-    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None, rng: jax.Array | None = None):
+    def __call__(
+        self, x: jax.Array, *, mask: jax.Array | None = None, rng: jax.Array | None = None
+    ):
         """Parallel mode: x (b, l, e) -> o * E (b, l, e); with `rng`, sows the ranking loss."""
         q, k = self._qk(x)
         hash_rng, rank_rng = (None, None) if rng is None else jax.random.split(rng)
         scores = self._key_scores(q, k)
         o = sparse_attention(
-            q, k, x, pattern=self.cfg.pattern, num_keys=self.cfg.num_keys, hash_proj=self._hash_proj(hash_rng),
-            key_scores=None if scores is None else jax.lax.stop_gradient(scores), max_len=self.cfg.max_len,
-            binning=self.cfg.binning, official_code=self.cfg.official_code,
+            q,
+            k,
+            x,
+            pattern=self.cfg.pattern,
+            num_keys=self.cfg.num_keys,
+            hash_proj=self._hash_proj(hash_rng),
+            key_scores=None if scores is None else jax.lax.stop_gradient(scores),
+            max_len=self.cfg.max_len,
+            binning=self.cfg.binning,
+            official_code=self.cfg.official_code,
         )
         if rng is not None and scores is not None:
             self.sow(nnx.Intermediate, "rank_loss", self._rank_loss(scores, q, k, mask, rank_rng))
@@ -146,15 +170,25 @@ class HaxBranch(nnx.Module):
     def decode_cache(cache) -> SparseAttentionCache:
         """The branch's part of a mixer cache, or a clear error when that cache did not start as init_cache."""
         if cache.sparse is None:
-            raise ValueError("this layer has a sparse-attention branch: start from model.init_cache(batch) "
-                             "(pass cache= to the prefill) before decoding step by step")
+            raise ValueError(
+                "this layer has a sparse-attention branch: start from model.init_cache(batch) "
+                "(pass cache= to the prefill) before decoding step by step"
+            )
         return cache.sparse
 
     def init_cache(self, batch: int, dtype) -> SparseAttentionCache:
         """An empty decode cache holding up to cfg.decode_capacity tokens."""
-        return init_cache(batch, self.cfg.decode_capacity, self.d_state, self.d_inner, pattern=self.cfg.pattern,
-                          num_keys=self.cfg.num_keys, hash_bits=self.cfg.hash_bits, binning=self.cfg.binning,
-                          dtype=dtype)
+        return init_cache(
+            batch,
+            self.cfg.decode_capacity,
+            self.d_state,
+            self.d_inner,
+            pattern=self.cfg.pattern,
+            num_keys=self.cfg.num_keys,
+            hash_bits=self.cfg.hash_bits,
+            binning=self.cfg.binning,
+            dtype=dtype,
+        )
 
     def step(self, x: jax.Array, cache: SparseAttentionCache):
         """Recurrent mode: x (b, e) -> (o * E (b, e), cache); O(num_keys * (N + e)) per token."""
@@ -165,8 +199,16 @@ class HaxBranch(nnx.Module):
         if self.scorer is not None:
             score = self.scorer(k, l2_normalize(cache.q_sum + q.astype(jnp.float32)))
         o, cache = sparse_attention_step(
-            q, k, x, cache, pattern=self.cfg.pattern, num_keys=self.cfg.num_keys,
-            hash_proj=self._hash_proj(None), key_score=score, max_len=self.cfg.max_len, binning=self.cfg.binning,
+            q,
+            k,
+            x,
+            cache,
+            pattern=self.cfg.pattern,
+            num_keys=self.cfg.num_keys,
+            hash_proj=self._hash_proj(None),
+            key_score=score,
+            max_len=self.cfg.max_len,
+            binning=self.cfg.binning,
         )
         return o * self.E[...].astype(o.dtype), cache
 
@@ -186,5 +228,7 @@ def init_qk_from_bc(x_proj_kernel: jax.Array, *, dt_rank: int, d_state: int) -> 
 
     By state-space duality the SSM's C plays the query and B the key (HAX paper App. D.2).
     """
-    return jnp.concatenate([x_proj_kernel[:, dt_rank : dt_rank + d_state], x_proj_kernel[:, dt_rank + d_state :]],
-                           axis=1)
+    return jnp.concatenate(
+        [x_proj_kernel[:, dt_rank : dt_rank + d_state], x_proj_kernel[:, dt_rank + d_state :]],
+        axis=1,
+    )

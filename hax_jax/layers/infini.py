@@ -75,8 +75,9 @@ class InfiniAttention(nnx.Module):
         c = cfg.infini
         d, h = cfg.d_model, c.n_heads
         if c.head_dim is None and d % h:
-            raise ValueError(f"d_model={d} must be a multiple of infini.n_heads={h} "
-                             "(or set infini.head_dim)")
+            raise ValueError(
+                f"d_model={d} must be a multiple of infini.n_heads={h} (or set infini.head_dim)"
+            )
         if c.segment_len < 1:
             raise ValueError(f"infini.segment_len must be positive, got {c.segment_len}")
         hd = c.head_dim or d // h
@@ -97,7 +98,8 @@ class InfiniAttention(nnx.Module):
         return InfiniCache(
             mem=jnp.zeros((batch, h, hd, hd), jnp.float32),
             norm=jnp.zeros((batch, h, hd), jnp.float32),
-            k=jnp.zeros((batch, n, h, hd), self.dtype), v=jnp.zeros((batch, n, h, hd), self.dtype),
+            k=jnp.zeros((batch, n, h, hd), self.dtype),
+            v=jnp.zeros((batch, n, h, hd), self.dtype),
             pos=jnp.zeros((), jnp.int32),
         )
 
@@ -105,8 +107,10 @@ class InfiniAttention(nnx.Module):
         """x (b, l, d) -> raw q, k, v (b, l, h, head_dim)."""
         b, l, _ = x.shape
         x = x.astype(self.dtype)
-        return tuple(p(x).reshape(b, l, self.n_heads, self.head_dim)
-                     for p in (self.q_proj, self.k_proj, self.v_proj))
+        return tuple(
+            p(x).reshape(b, l, self.n_heads, self.head_dim)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
 
     def _mix(self, q, k, v, allowed, q_pos, mem, norm, gate):
         """Queries q (b, lq, h, hd) at segment offsets q_pos against one segment's keys k, v

@@ -18,7 +18,9 @@ class MambaCache(NamedTuple):
 
     conv: jax.Array  # (b, d_conv - 1, d_inner): the last pre-conv inputs
     ssm: jax.Array  # (b, d_inner, d_state), fp32
-    sparse: SparseAttentionCache | None = None  # the sparse branch's keys, values, buckets, running top-k
+    sparse: SparseAttentionCache | None = (
+        None  # the sparse branch's keys, values, buckets, running top-k
+    )
 
 
 def dt_bias_init(dt_min: float, dt_max: float, floor: float):
@@ -35,7 +37,9 @@ def dt_bias_init(dt_min: float, dt_max: float, floor: float):
 
 def sparse_branch(cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
     """The HAX sparse-attention branch when cfg.sparse.pattern is set, else None."""
-    return HaxBranch(cfg, d_inner=d_inner, d_state=d_state, rngs=rngs) if cfg.sparse.pattern else None
+    return (
+        HaxBranch(cfg, d_inner=d_inner, d_state=d_state, rngs=rngs) if cfg.sparse.pattern else None
+    )
 
 
 class MambaMixer(nnx.Module):
@@ -57,15 +61,21 @@ class MambaMixer(nnx.Module):
         self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
         self.x_proj = linear(e, r + 2 * n, bias=False)
         self.dt_proj = linear(
-            r, e, bias=True,
-            kernel_init=torch_linear_init(1, scale=m.dt_scale / math.sqrt(r)),  # U(+-dt_scale/sqrt(R))
+            r,
+            e,
+            bias=True,
+            kernel_init=torch_linear_init(
+                1, scale=m.dt_scale / math.sqrt(r)
+            ),  # U(+-dt_scale/sqrt(R))
             bias_init=dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor),
         )
         # S4D-real init: A = -(1..N) for every channel, stored as log.
         self.A_log = nnx.Param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))))
         self.D = nnx.Param(jnp.ones((e,), jnp.float32))
         # mamba_ssm rescales out_proj by 1/sqrt(n_layer) (rescale_prenorm_residual).
-        self.out_proj = linear(e, d, bias=m.bias, kernel_init=torch_linear_init(e, 1 / math.sqrt(cfg.n_layer)))
+        self.out_proj = linear(
+            e, d, bias=m.bias, kernel_init=torch_linear_init(e, 1 / math.sqrt(cfg.n_layer))
+        )
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
     def init_cache(self, batch: int) -> MambaCache:
@@ -78,8 +88,12 @@ class MambaMixer(nnx.Module):
 
     def _dt_B_C(self, x: jax.Array):
         """x (..., e) post-conv -> dt (..., e) fp32 positive, B, C (..., n)."""
-        dt_raw, B, C = jnp.split(self.x_proj(x), [self.dt_rank, self.dt_rank + self.d_state], axis=-1)
-        dt = jax.nn.softplus(self.dt_proj(dt_raw).astype(jnp.float32))  # the bias sits inside softplus
+        dt_raw, B, C = jnp.split(
+            self.x_proj(x), [self.dt_rank, self.dt_rank + self.d_state], axis=-1
+        )
+        dt = jax.nn.softplus(
+            self.dt_proj(dt_raw).astype(jnp.float32)
+        )  # the bias sits inside softplus
         return dt, B, C
 
     def __call__(
@@ -90,15 +104,24 @@ class MambaMixer(nnx.Module):
         With a sparse branch, decoding continues only from a cache that started as `init_cache`.
         """
         if seq_idx is not None:
-            raise ValueError("seq_idx (packed documents) is supported by mamba2 layers only, not mamba")
+            raise ValueError(
+                "seq_idx (packed documents) is supported by mamba2 layers only, not mamba"
+            )
         x, z = jnp.split(self.in_proj(u), 2, axis=-1)
         x, conv_state = self.conv1d(x, state=None if cache is None else cache.conv)
         x = jax.nn.silu(x)
         dt, B, C = self._dt_B_C(x)
         y, ssm_state = selective_scan(
-            x, dt, -jnp.exp(self.A_log[...]), B, C, D=self.D[...], z=z,
+            x,
+            dt,
+            -jnp.exp(self.A_log[...]),
+            B,
+            C,
+            D=self.D[...],
+            z=z,
             initial_state=None if cache is None else cache.ssm,
-            return_final_state=True, impl=self.scan_impl,
+            return_final_state=True,
+            impl=self.scan_impl,
         )
         sparse_cache = None
         if self.branch is not None:
@@ -124,4 +147,3 @@ class MambaMixer(nnx.Module):
             y = y + o.astype(jnp.float32)
         y = y * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h, sparse_cache)
-

@@ -20,7 +20,9 @@ class Mamba2Cache(NamedTuple):
 
     conv: jax.Array  # (b, d_conv - 1, d_inner + 2 G N): the last pre-conv [x | B | C] inputs
     ssm: jax.Array  # (b, n_heads, headdim, d_state), fp32
-    sparse: SparseAttentionCache | None = None  # the sparse branch's keys, values, buckets, running top-k
+    sparse: SparseAttentionCache | None = (
+        None  # the sparse branch's keys, values, buckets, running top-k
+    )
 
 
 class Mamba2Mixer(nnx.Module):
@@ -33,7 +35,12 @@ class Mamba2Mixer(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         self.d_inner, self.n_heads, self.headdim, self.ngroups, self.d_state = e, h, m.headdim, g, n
         self.conv_dim = e + 2 * g * n
-        self.dtype, self.chunk_size, self.ssd_impl, self.dt_limit = dtype, m.chunk_size, m.ssd_impl, m.dt_limit
+        self.dtype, self.chunk_size, self.ssd_impl, self.dt_limit = (
+            dtype,
+            m.chunk_size,
+            m.ssd_impl,
+            m.dt_limit,
+        )
 
         def linear(i, o, scale=1.0):
             init = torch_linear_init(i, scale)
@@ -41,9 +48,13 @@ class Mamba2Mixer(nnx.Module):
 
         self.in_proj = linear(d, 2 * e + 2 * g * n + h)
         self.conv1d = CausalConv1d(self.conv_dim, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
-        self.dt_bias = nnx.Param(dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,)))
+        self.dt_bias = nnx.Param(
+            dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,))
+        )
         lo, hi = m.A_init_range
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, lo, hi)))
+        self.A_log = nnx.Param(
+            jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, lo, hi))
+        )
         self.D = nnx.Param(jnp.ones((h,), jnp.float32))
         self.norm = GatedRMSNorm(e, group_size=e // g, eps=cfg.norm_eps)
         self.out_proj = linear(e, d, scale=1 / math.sqrt(cfg.n_layer))  # rescale_prenorm_residual
@@ -68,8 +79,11 @@ class Mamba2Mixer(nnx.Module):
         gn = self.ngroups * self.d_state
         x, B, C = jnp.split(xBC, [self.d_inner, self.d_inner + gn], axis=-1)
         lead = xBC.shape[:-1]
-        return (x.reshape(*lead, self.n_heads, self.headdim),
-                B.reshape(*lead, self.ngroups, self.d_state), C.reshape(*lead, self.ngroups, self.d_state))
+        return (
+            x.reshape(*lead, self.n_heads, self.headdim),
+            B.reshape(*lead, self.ngroups, self.d_state),
+            C.reshape(*lead, self.ngroups, self.d_state),
+        )
 
     def __call__(
         self, u: jax.Array, *, cache: Mamba2Cache | None = None, seq_idx=None, mask=None, rng=None
@@ -80,21 +94,35 @@ class Mamba2Mixer(nnx.Module):
         With a sparse branch, decoding continues only from a cache that started as `init_cache`.
         """
         if seq_idx is not None and self.branch is not None:
-            raise ValueError("seq_idx (packed documents) is not supported with a sparse-attention branch")
+            raise ValueError(
+                "seq_idx (packed documents) is not supported with a sparse-attention branch"
+            )
         b, l, _ = u.shape
         z, xBC, dt = self._split(self.in_proj(u))
-        xBC, conv_state = self.conv1d(xBC, state=None if cache is None else cache.conv, seq_idx=seq_idx)
+        xBC, conv_state = self.conv1d(
+            xBC, state=None if cache is None else cache.conv, seq_idx=seq_idx
+        )
         x, B, C = self._x_B_C(jax.nn.silu(xBC))
         y, ssm_state = ssd(
-            x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=self.chunk_size, D=self.D[...],
-            initial_state=None if cache is None else cache.ssm, return_final_state=True,
-            seq_idx=seq_idx, impl=self.ssd_impl,
+            x,
+            dt,
+            -jnp.exp(self.A_log[...]),
+            B,
+            C,
+            chunk_size=self.chunk_size,
+            D=self.D[...],
+            initial_state=None if cache is None else cache.ssm,
+            return_final_state=True,
+            seq_idx=seq_idx,
+            impl=self.ssd_impl,
         )
         y = y.reshape(b, l, self.d_inner)
         sparse_cache = None
         if self.branch is not None:
             # HAX with Mamba-2: y = ssd(x) + o * E, then the gated norm.
-            o, sparse_cache = self.branch.forward(x.reshape(b, l, self.d_inner), cache, mask=mask, rng=rng)
+            o, sparse_cache = self.branch.forward(
+                x.reshape(b, l, self.d_inner), cache, mask=mask, rng=rng
+            )
             y = y.astype(jnp.float32) + o.astype(jnp.float32)
         y = self.norm(y, z)
         return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, ssm_state, sparse_cache)
@@ -115,7 +143,9 @@ class Mamba2Mixer(nnx.Module):
         y = y.reshape(u.shape[0], self.d_inner)
         sparse_cache = None
         if self.branch is not None:
-            o, sparse_cache = self.branch.step(x.reshape(u.shape[0], self.d_inner), self.branch.decode_cache(cache))
+            o, sparse_cache = self.branch.step(
+                x.reshape(u.shape[0], self.d_inner), self.branch.decode_cache(cache)
+            )
             y = y + o.astype(jnp.float32)
         y = self.norm(y, z)
         return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, h, sparse_cache)

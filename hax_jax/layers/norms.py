@@ -24,7 +24,9 @@ class GatedRMSNorm(nnx.Module):
 
     def __init__(self, dim: int, *, group_size: int, eps: float = 1e-5):
         if dim % group_size:
-            raise ValueError(f"GatedRMSNorm: dim={dim} must be a multiple of group_size={group_size}")
+            raise ValueError(
+                f"GatedRMSNorm: dim={dim} must be a multiple of group_size={group_size}"
+            )
         self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
         self.group_size = group_size
         self.eps = eps
@@ -35,5 +37,7 @@ class GatedRMSNorm(nnx.Module):
         if z is not None:
             y32 = y32 * jax.nn.silu(z.astype(jnp.float32))
         groups = y32.reshape(*y32.shape[:-1], -1, self.group_size)
-        groups = groups * jax.lax.rsqrt(jnp.mean(groups * groups, axis=-1, keepdims=True) + self.eps)
+        groups = groups * jax.lax.rsqrt(
+            jnp.mean(groups * groups, axis=-1, keepdims=True) + self.eps
+        )
         return (self.weight[...] * groups.reshape(y32.shape)).astype(y.dtype)

@@ -16,8 +16,12 @@ from hax_jax.layers.norms import RMSNorm
 # (y, cache), step(x_t, cache) -> (y_t, cache) and init_cache(batch). `mask` (b, l) marks real tokens;
 # `rng` is given in training only (the sparse branch resamples its hash and ranking-loss candidates).
 MIXERS = {
-    "mamba": MambaMixer, "mamba2": Mamba2Mixer, "attention": Attention,
-    "swa": SlidingWindowAttention, "mlp": SwiGLU, "infini": InfiniAttention,
+    "mamba": MambaMixer,
+    "mamba2": Mamba2Mixer,
+    "attention": Attention,
+    "swa": SlidingWindowAttention,
+    "mlp": SwiGLU,
+    "infini": InfiniAttention,
 }
 
 
@@ -31,7 +35,9 @@ class ResidualBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, *, cache=None, seq_idx=None, mask=None, rng=None):
         """Parallel mode: x (b, l, d) -> (x', cache after the last token)."""
-        y, cache = self.mixer(self.norm(x).astype(self.dtype), cache=cache, seq_idx=seq_idx, mask=mask, rng=rng)
+        y, cache = self.mixer(
+            self.norm(x).astype(self.dtype), cache=cache, seq_idx=seq_idx, mask=mask, rng=rng
+        )
         return x + y.astype(x.dtype), cache
 
     def step(self, x: jax.Array, cache):

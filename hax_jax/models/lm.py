@@ -24,13 +24,24 @@ class LanguageModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = nnx.Embed(
-            cfg.padded_vocab_size, cfg.d_model, dtype=jnp.dtype(cfg.dtype),
-            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+            cfg.padded_vocab_size,
+            cfg.d_model,
+            dtype=jnp.dtype(cfg.dtype),
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
         )
         self.layers = nnx.List([ResidualBlock(kind, cfg, rngs=rngs) for kind in cfg.mixer_kinds])
         self.norm_f = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
-            cfg.d_model, cfg.padded_vocab_size, use_bias=False, dtype=jnp.dtype(cfg.dtype), rngs=rngs
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else nnx.Linear(
+                cfg.d_model,
+                cfg.padded_vocab_size,
+                use_bias=False,
+                dtype=jnp.dtype(cfg.dtype),
+                rngs=rngs,
+            )
         )
 
     def __call__(self, tokens: jax.Array, *, seq_idx=None, mask=None, rng=None) -> jax.Array:
@@ -45,14 +56,20 @@ class LanguageModel(nnx.Module):
         """Per-layer caches at the start of a sequence."""
         return tuple(layer.mixer.init_cache(batch) for layer in self.layers)
 
-    def forward(self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx=None, mask=None, rng=None):
+    def forward(
+        self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx=None, mask=None, rng=None
+    ):
         """Parallel mode from `cache` (or a fresh start): tokens (b, l) -> (logits, cache after them).
 
         Used for training (cache ignored), prefill and chunked prefill.
         """
         self._check_tokens(tokens, ndim=2)
         x = self._embed(tokens)
-        rngs = [None] * len(self.layers) if rng is None else list(jax.random.split(rng, len(self.layers)))
+        rngs = (
+            [None] * len(self.layers)
+            if rng is None
+            else list(jax.random.split(rng, len(self.layers)))
+        )
         caches = []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
@@ -84,11 +101,15 @@ class LanguageModel(nnx.Module):
     def _check_tokens(self, tokens: jax.Array, *, ndim: int) -> None:
         """Shape and dtype always; the id range too when the values are concrete (not under jit)."""
         if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != ndim:
-            raise ValueError(f"tokens must be integer with {ndim} axes, got {tokens.dtype} {tokens.shape}")
+            raise ValueError(
+                f"tokens must be integer with {ndim} axes, got {tokens.dtype} {tokens.shape}"
+            )
         if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
             return
         values = np.asarray(tokens)
         lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             bad = hi if hi >= self.cfg.vocab_size else lo
-            raise ValueError(f"token id {bad} is out of range [0, vocab_size={self.cfg.vocab_size})")
+            raise ValueError(
+                f"token id {bad} is out of range [0, vocab_size={self.cfg.vocab_size})"
+            )

@@ -34,7 +34,16 @@ def _to_chunks(v_bl, c, s):
 
 @functools.partial(jax.jit, static_argnames=("return_final_state", "chunk_size"))
 def selective_scan_associative(
-    x, dt, A, B, C, *, D=None, z=None, initial_state=None, return_final_state=False,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    *,
+    D=None,
+    z=None,
+    initial_state=None,
+    return_final_state=False,
     chunk_size=64,
 ):
     """Selective scan via per-chunk associative scans; same contract as the reference.

@@ -42,8 +42,18 @@ def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
 
 @functools.partial(jax.jit, static_argnames=("return_final_state", "impl", "chunk_size"))
 def selective_scan(
-    x, dt, A, B, C, *, D=None, z=None, initial_state=None, return_final_state=False,
-    impl="associative", chunk_size=64,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    *,
+    D=None,
+    z=None,
+    initial_state=None,
+    return_final_state=False,
+    impl="associative",
+    chunk_size=64,
 ):
     """Mamba-1 selective scan (S6): y, or (y, final_state) if return_final_state.
 

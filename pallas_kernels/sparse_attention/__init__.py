@@ -2,7 +2,10 @@
 
 from .ops import init_cache, parse_pattern, sparse_attention, sparse_attention_step
 from .reference import (
-    lsh_buckets, official_lsh_inputs, running_mean, sparse_attention_mask,
+    lsh_buckets,
+    official_lsh_inputs,
+    running_mean,
+    sparse_attention_mask,
     sparse_attention_reference,
 )
 from .step import SparseAttentionCache

@@ -16,7 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from .reference import (
-    component_budget, dilation_of, running_buckets, split_pattern,
+    component_budget,
+    dilation_of,
+    running_buckets,
+    split_pattern,
 )
 
 # Gathered elements (query x slot x feature) per attention block: keeps the live block small
@@ -104,14 +107,20 @@ def _ks_indices(key_scores_bl, kc):
         blk_pos_r = c * block + r_r
         # Candidates: the running top-kc (all earlier) first, then this block's keys in order,
         # so lax.top_k's lower-index-first tie rule gives ties to the earlier position.
-        cand_scores_brt = jnp.concatenate([
-            jnp.broadcast_to(run_scores_bs[:, None, :], (b, block, kc)),
-            jnp.where(causal_rr, blk_scores_br[:, None, :], -jnp.inf),
-        ], axis=-1)
-        cand_pos_brt = jnp.concatenate([
-            jnp.broadcast_to(run_pos_bs[:, None, :], (b, block, kc)),
-            jnp.broadcast_to(blk_pos_r, (b, block, block)),
-        ], axis=-1)
+        cand_scores_brt = jnp.concatenate(
+            [
+                jnp.broadcast_to(run_scores_bs[:, None, :], (b, block, kc)),
+                jnp.where(causal_rr, blk_scores_br[:, None, :], -jnp.inf),
+            ],
+            axis=-1,
+        )
+        cand_pos_brt = jnp.concatenate(
+            [
+                jnp.broadcast_to(run_pos_bs[:, None, :], (b, block, kc)),
+                jnp.broadcast_to(blk_pos_r, (b, block, block)),
+            ],
+            axis=-1,
+        )
         _, top_brs = jax.lax.top_k(cand_scores_brt, kc)
         j_brs = jnp.take_along_axis(cand_pos_brt, top_brs, axis=-1)
         # Empty running slots hold position -1; masked future keys a position > i.
@@ -234,8 +243,17 @@ def full_attention(q, k, v):
 
 
 def sparse_attention_indexed(
-    q, k, v, *, pattern, num_keys, hash_proj=None, key_scores=None, max_len=None,
-    binning="sign", query_block=None,
+    q,
+    k,
+    v,
+    *,
+    pattern,
+    num_keys,
+    hash_proj=None,
+    key_scores=None,
+    max_len=None,
+    binning="sign",
+    query_block=None,
 ):
     """Sparse attention by gathered keys; O(l * num_keys * (n + e)) time, O(l * num_keys) memory
     (plus one block of gathered keys). query_block=None picks `query_block_size`; 0 gathers the
@@ -243,8 +261,14 @@ def sparse_attention_indexed(
     if split_pattern(pattern) == ("full",):
         return full_attention(q, k, v)
     j_bis, valid_bis = selected_indices(
-        q, k, pattern=pattern, num_keys=num_keys, hash_proj=hash_proj, key_scores=key_scores,
-        max_len=max_len, binning=binning,
+        q,
+        k,
+        pattern=pattern,
+        num_keys=num_keys,
+        hash_proj=hash_proj,
+        key_scores=key_scores,
+        max_len=max_len,
+        binning=binning,
     )
     j_bis, valid_bis = dedupe(j_bis, valid_bis)
     q_bin, k_bjn, v_bje = (x.astype(jnp.float32) for x in (q, k, v))

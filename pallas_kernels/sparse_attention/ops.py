@@ -94,8 +94,17 @@ def _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binnin
     jax.jit, static_argnames=("pattern", "num_keys", "max_len", "binning", "official_code")
 )
 def sparse_attention(
-    q, k, v, *, pattern, num_keys, hash_proj=None, key_scores=None, max_len=None,
-    binning="sign", official_code=False,
+    q,
+    k,
+    v,
+    *,
+    pattern,
+    num_keys,
+    hash_proj=None,
+    key_scores=None,
+    max_len=None,
+    binning="sign",
+    official_code=False,
 ):
     """HAX context-dependent sparse attention (one head, causal): o (b, l, e) in v.dtype.
 
@@ -115,8 +124,12 @@ def sparse_attention(
     """
     _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binning)
     kwargs = dict(
-        pattern=pattern, num_keys=num_keys, hash_proj=hash_proj, key_scores=key_scores,
-        max_len=max_len, binning=binning,
+        pattern=pattern,
+        num_keys=num_keys,
+        hash_proj=hash_proj,
+        key_scores=key_scores,
+        max_len=max_len,
+        binning=binning,
     )
     if official_code:
         return sparse_attention_reference(q, k, v, official_code=True, **kwargs)
@@ -124,7 +137,15 @@ def sparse_attention(
 
 
 def init_cache(
-    batch, capacity, n, e, *, pattern, num_keys, hash_bits=None, binning="sign",
+    batch,
+    capacity,
+    n,
+    e,
+    *,
+    pattern,
+    num_keys,
+    hash_bits=None,
+    binning="sign",
     dtype=jnp.float32,
 ):
     """An empty `SparseAttentionCache` for up to `capacity` decode steps.
@@ -144,19 +165,34 @@ def init_cache(
                 f"sign binning takes at most {MAX_SIGN_BITS} hash bits, got {hash_bits}"
             )
     return init_cache_arrays(
-        batch, capacity, n, e, pattern=pattern, num_keys=num_keys, hash_bits=hash_bits,
-        binning=binning, dtype=dtype,
+        batch,
+        capacity,
+        n,
+        e,
+        pattern=pattern,
+        num_keys=num_keys,
+        hash_bits=hash_bits,
+        binning=binning,
+        dtype=dtype,
     )
 
 
-_step_jit = jax.jit(
-    step_arrays, static_argnames=("pattern", "num_keys", "max_len", "binning")
-)
+_step_jit = jax.jit(step_arrays, static_argnames=("pattern", "num_keys", "max_len", "binning"))
 
 
 def sparse_attention_step(
-    q, k, v, cache, *, pattern, num_keys, hash_proj=None, key_score=None, max_len=None,
-    binning="sign", official_code=False,
+    q,
+    k,
+    v,
+    cache,
+    *,
+    pattern,
+    num_keys,
+    hash_proj=None,
+    key_score=None,
+    max_len=None,
+    binning="sign",
+    official_code=False,
 ):
     """One decode step of `sparse_attention`: (o (b, e) in v.dtype, the updated cache).
 
@@ -193,6 +229,14 @@ def sparse_attention_step(
     if not isinstance(cache.t, jax.core.Tracer) and int(cache.t) >= capacity:
         raise ValueError(f"cache is full: t = {int(cache.t)} reached capacity = {capacity}")
     return _step_jit(
-        q, k, v, cache, pattern=pattern, num_keys=num_keys, hash_proj=hash_proj,
-        key_score=key_score, max_len=max_len, binning=binning,
+        q,
+        k,
+        v,
+        cache,
+        pattern=pattern,
+        num_keys=num_keys,
+        hash_proj=hash_proj,
+        key_score=key_score,
+        max_len=max_len,
+        binning=binning,
     )

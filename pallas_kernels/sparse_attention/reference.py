@@ -79,7 +79,11 @@ def lsh_buckets(x_zn, hash_proj_nh, binning, scale_z=None):
     hash_proj_nh = hash_proj_nh.astype(jnp.float32)
     proj_zh = jnp.einsum("...n,nh->...h", x_zn, hash_proj_nh, precision=HIGHEST)
     if scale_z is not None:
-        tol_zh = NOISE_RTOL * jax.lax.stop_gradient(scale_z)[..., None] * jnp.linalg.norm(hash_proj_nh, axis=0)
+        tol_zh = (
+            NOISE_RTOL
+            * jax.lax.stop_gradient(scale_z)[..., None]
+            * jnp.linalg.norm(hash_proj_nh, axis=0)
+        )
         proj_zh = jnp.where(jnp.abs(proj_zh) <= tol_zh, 0.0, proj_zh)
     if binning == "argmax":
         return jnp.argmax(proj_zh, axis=-1).astype(jnp.int32)
@@ -122,7 +126,15 @@ def _top_scores(key_scores_bl, kc, causal_ij):
 
 
 def sparse_attention_mask(
-    q, k, *, pattern, num_keys, hash_proj=None, key_scores=None, max_len=None, binning="sign",
+    q,
+    k,
+    *,
+    pattern,
+    num_keys,
+    hash_proj=None,
+    key_scores=None,
+    max_len=None,
+    binning="sign",
     official_code=False,
 ):
     """The (b, l, l) boolean mask mask[b, i, j] = query i attends to key j (union of components).
@@ -165,8 +177,17 @@ def sparse_attention_mask(
 
 
 def sparse_attention_reference(
-    q, k, v, *, pattern, num_keys, hash_proj=None, key_scores=None, max_len=None,
-    binning="sign", official_code=False,
+    q,
+    k,
+    v,
+    *,
+    pattern,
+    num_keys,
+    hash_proj=None,
+    key_scores=None,
+    max_len=None,
+    binning="sign",
+    official_code=False,
 ):
     """Dense masked-softmax attention over `sparse_attention_mask`; O(l^2), the test oracle.
 
@@ -176,8 +197,15 @@ def sparse_attention_reference(
     mask, which is uniform over all l positions (future included).
     """
     mask_bij = sparse_attention_mask(
-        q, k, pattern=pattern, num_keys=num_keys, hash_proj=hash_proj, key_scores=key_scores,
-        max_len=max_len, binning=binning, official_code=official_code,
+        q,
+        k,
+        pattern=pattern,
+        num_keys=num_keys,
+        hash_proj=hash_proj,
+        key_scores=key_scores,
+        max_len=max_len,
+        binning=binning,
+        official_code=official_code,
     )
     q_bin, k_bjn, v_bje = (x.astype(jnp.float32) for x in (q, k, v))
     scores_bij = jnp.einsum("bin,bjn->bij", q_bin, k_bjn)

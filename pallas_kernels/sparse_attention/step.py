@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from .indexed import dedupe, gather_rows, softmax_attend
-from .reference import centred, component_budget, dilation_of, lsh_buckets, num_buckets, split_pattern
+from .reference import (
+    centred,
+    component_budget,
+    dilation_of,
+    lsh_buckets,
+    num_buckets,
+    split_pattern,
+)
 
 
 class SparseAttentionCache(NamedTuple):
@@ -62,7 +69,16 @@ def init_cache_arrays(batch, capacity, n, e, *, pattern, num_keys, hash_bits, bi
 
 
 def step_arrays(
-    q, k, v, cache, *, pattern, num_keys, hash_proj=None, key_score=None, max_len=None,
+    q,
+    k,
+    v,
+    cache,
+    *,
+    pattern,
+    num_keys,
+    hash_proj=None,
+    key_score=None,
+    max_len=None,
     binning="sign",
 ):
     """One decode step (no validation; see ops.sparse_attention_step): returns (o, cache).
@@ -75,9 +91,7 @@ def step_arrays(
     b, capacity, _ = cache.keys.shape
     t = cache.t
     batch_b = jnp.arange(b)
-    keys = jax.lax.dynamic_update_slice(
-        cache.keys, k[:, None].astype(cache.keys.dtype), (0, t, 0)
-    )
+    keys = jax.lax.dynamic_update_slice(cache.keys, k[:, None].astype(cache.keys.dtype), (0, t, 0))
     values = jax.lax.dynamic_update_slice(
         cache.values, v[:, None].astype(cache.values.dtype), (0, t, 0)
     )
@@ -128,7 +142,13 @@ def step_arrays(
     o_be = softmax_attend(q_bn, k_bsn, v_bse, valid_bs)
     o_be = jnp.where(t < capacity, o_be, jnp.nan).astype(v.dtype)
     new_cache = SparseAttentionCache(
-        keys=keys, values=values, t=t + 1, q_sum=q_sum, k_sum=k_sum, lsh_table=lsh_table,
-        ks_scores=ks_scores, ks_pos=ks_pos,
+        keys=keys,
+        values=values,
+        t=t + 1,
+        q_sum=q_sum,
+        k_sum=k_sum,
+        lsh_table=lsh_table,
+        ks_scores=ks_scores,
+        ks_pos=ks_pos,
     )
     return o_be, new_cache

@@ -19,7 +19,16 @@ from .reference import compute_dtype, run_ids, segsum
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "return_final_state"))
 def ssd_chunked(
-    x, dt, A, B, C, *, chunk_size, D=None, initial_state=None, return_final_state=False,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    *,
+    chunk_size,
+    D=None,
+    initial_state=None,
+    return_final_state=False,
     seq_idx=None,
 ):
     """SSD in O(l * chunk_size); same contract as `ssd_reference` (see ops.ssd for shapes).
@@ -70,9 +79,7 @@ def ssd_chunked(
     # only if that chunk ends in the same document.
     doc_in_bc = jnp.concatenate([seq_bcs[:, :1, 0], seq_bcs[:, :-1, -1]], axis=1)
     keep_bc = seq_bcs[:, :, -1] == doc_in_bc
-    chunk_decay_bcgr = jnp.exp(
-        jnp.where(keep_bc[:, :, None, None], lam_bcgrs[..., -1], -jnp.inf)
-    )
+    chunk_decay_bcgr = jnp.exp(jnp.where(keep_bc[:, :, None, None], lam_bcgrs[..., -1], -jnp.inf))
     if initial_state is None:
         h0_bgrpn = jnp.zeros((b, g, r, p, n), dtype)
     else:
@@ -84,7 +91,8 @@ def ssd_chunked(
         return decay_bgr[..., None, None] * h_bgrpn + state_bgrpn, h_bgrpn
 
     final_bgrpn, h_in_cbgrpn = jax.lax.scan(
-        pass_state, h0_bgrpn,
+        pass_state,
+        h0_bgrpn,
         (jnp.moveaxis(chunk_decay_bcgr, 1, 0), jnp.moveaxis(states_bcgrpn, 1, 0)),
     )
     h_in_bcgrpn = jnp.moveaxis(h_in_cbgrpn, 0, 1)

@@ -47,8 +47,18 @@ def _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl):
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "return_final_state", "impl"))
 def ssd(
-    x, dt, A, B, C, *, chunk_size, D=None, initial_state=None, return_final_state=False,
-    seq_idx=None, impl="chunked",
+    x,
+    dt,
+    A,
+    B,
+    C,
+    *,
+    chunk_size,
+    D=None,
+    initial_state=None,
+    return_final_state=False,
+    seq_idx=None,
+    impl="chunked",
 ):
     """Mamba-2 SSD: y, or (y, final_state) if return_final_state.
 

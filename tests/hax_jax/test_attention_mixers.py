@@ -11,6 +11,7 @@ from hax_jax.config import AttentionConfig, InfiniConfig, MambaConfig, MlpConfig
 from hax_jax.layers.infini import memory_retrieve, memory_update, sigma
 from hax_jax.models.blocks import MIXERS
 from hax_jax.models.lm import LanguageModel
+from mixer_testing import perturbed, prefill_then_decode, random_inputs, run_parallel
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 WINDOW, SEGMENT = 5, 6  # small, so short sequences cross several windows / segments
@@ -28,8 +29,12 @@ _update = jax.jit(memory_update, static_argnums=4)  # eager op-by-op dispatch is
 def _cfg(kind: str, **kw) -> ModelConfig:
     """A small config of one mixer kind (qkv biases on, so they are tested too)."""
     base = dict(
-        d_model=32, n_layer=2, vocab_size=50, block_pattern=(kind,),
-        attention=AttentionConfig(n_heads=4, window=WINDOW, qkv_bias=True), mlp=MlpConfig(d_ff=64),
+        d_model=32,
+        n_layer=2,
+        vocab_size=50,
+        block_pattern=(kind,),
+        attention=AttentionConfig(n_heads=4, window=WINDOW, qkv_bias=True),
+        mlp=MlpConfig(d_ff=64),
     )
     return ModelConfig(**{**base, **kw})
 
@@ -37,26 +42,11 @@ def _cfg(kind: str, **kw) -> ModelConfig:
 def _mixer(variant: str, seed: int = 0, **kw):
     """A mixer with every parameter moved off its init, so structure cannot hide errors."""
     kind, overrides = VARIANTS[variant]
-    mixer = MIXERS[kind](_cfg(kind, **{**overrides, **kw}), rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(mixer)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-
-@nnx.jit
-def _run(mixer, u, cache=None):
-    """Parallel mode, jitted."""
-    return mixer(u, cache=cache)
-
-
-_step = nnx.jit(lambda mixer, u, cache: mixer.step(u, cache))
-
-
-def _inputs(b=2, l=19, d=32, seed=0, dtype=jnp.float32):
-    """Random mixer inputs (b, l, d)."""
-    return jax.random.normal(jax.random.key(seed), (b, l, d), dtype)
+    return perturbed(
+        MIXERS[kind](_cfg(kind, **{**overrides, **kw}), rngs=nnx.Rngs(seed)),
+        seed=seed + 1,
+        scale=0.1,
+    )
 
 
 def _assert_trees_close(got, want):
@@ -69,28 +59,24 @@ def _assert_trees_close(got, want):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_step_equals_parallel(variant):
     mixer = _mixer(variant)
-    u = _inputs()
-    full, final_cache = _run(mixer, u)
+    u = random_inputs()
+    full, final_cache = run_parallel(mixer, u)
     # Prefill 7 tokens in parallel (past a window and a segment), then decode one token at a time.
-    y0, cache = _run(mixer, u[:, :7])
-    outs = [y0]
-    for t in range(7, u.shape[1]):
-        y, cache = _step(mixer, u[:, t], cache)
-        outs.append(y[:, None])
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL[jnp.float32])
+    decoded, cache = prefill_then_decode(mixer, u, prefix=7)
+    np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])
     _assert_trees_close(cache, final_cache)
 
 
 @pytest.mark.parametrize("variant", CACHED)
 def test_pieces_equal_whole(variant):
     mixer = _mixer(variant)
-    u = _inputs(l=23)
-    full, final_cache = _run(mixer, u)
+    u = random_inputs(l=23)
+    full, final_cache = run_parallel(mixer, u)
     cache, outs = None, []
     # Pieces shorter and longer than a window / segment, starting mid-segment, and one (5 -> 12)
     # that ends exactly where the parallel mode's padded segment grid ends.
     for lo, hi in ((0, 5), (5, 12), (12, 14), (14, 23)):
-        y, cache = _run(mixer, u[:, lo:hi], cache)
+        y, cache = run_parallel(mixer, u[:, lo:hi], cache)
         outs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL[jnp.float32])
     _assert_trees_close(cache, final_cache)
@@ -100,7 +86,7 @@ def test_pieces_equal_whole(variant):
 def test_causal(variant):
     """d out_i / d u_j == 0 exactly for j > i (and, for swa, for j <= i - window)."""
     mixer = _mixer(variant)
-    u = _inputs(b=1, l=16)
+    u = random_inputs(b=1, l=16)
     i = 9  # mid second segment: the memory path is live
     grad = np.asarray(nnx.jit(jax.grad(lambda u, m: jnp.sum(m(u)[0][:, i])))(u, mixer))
     assert np.all(grad[:, i + 1 :] == 0.0)
@@ -117,14 +103,14 @@ def test_causal(variant):
 @pytest.mark.parametrize("variant", ["attention", "swa", "infini-linear"])
 def test_rejects_seq_idx(variant):
     with pytest.raises(ValueError, match=f"{VARIANTS[variant][0]} mixer does not support seq_idx"):
-        _mixer(variant)(_inputs(), seq_idx=jnp.zeros((2, 19), jnp.int32))
+        _mixer(variant)(random_inputs(), seq_idx=jnp.zeros((2, 19), jnp.int32))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_bfloat16_compute_close_to_float32(variant):
-    u = _inputs()
-    y32, _ = _run(_mixer(variant), u)
-    y16, _ = _run(_mixer(variant, dtype="bfloat16"), u.astype(jnp.bfloat16))
+    u = random_inputs()
+    y32, _ = run_parallel(_mixer(variant), u)
+    y16, _ = run_parallel(_mixer(variant, dtype="bfloat16"), u.astype(jnp.bfloat16))
     assert y16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y16, np.float32), y32, **TOL[jnp.bfloat16])
 
@@ -177,8 +163,8 @@ def _attention_reference(mixer, x: np.ndarray, window: int | None) -> np.ndarray
 def test_attention_equals_dense_reference(variant, l):
     """swa == attention restricted to the band i - window < j <= i; attention == full causal."""
     mixer = _mixer(variant)
-    u = _inputs(l=l)
-    y, _ = _run(mixer, u)
+    u = random_inputs(l=l)
+    y, _ = run_parallel(mixer, u)
     window = WINDOW if variant == "swa" else None
     want = _attention_reference(mixer, np.asarray(u, np.float64), window)
     np.testing.assert_allclose(y, want, **TOL[jnp.float32])
@@ -204,8 +190,11 @@ def _infini_reference(mixer, x: np.ndarray, rule: str):
         outs.append(gate * a_mem + (1 - gate) * a_dot)
         if Q.shape[1] == n:
             if rule == "delta":
-                V = V - np.einsum("bnhk,bhkv->bnhv", sk, mem) / (
-                    np.einsum("bnhk,bhk->bnh", sk, norm) + 1e-6)[..., None]
+                V = (
+                    V
+                    - np.einsum("bnhk,bhkv->bnhv", sk, mem)
+                    / (np.einsum("bnhk,bhk->bnh", sk, norm) + 1e-6)[..., None]
+                )
             mem = mem + np.einsum("bnhk,bnhv->bhkv", sk, V)
             norm = norm + sk.sum(1)
     y = _linear(mixer.o_proj, np.concatenate(outs, 1).reshape(b, l, -1))
@@ -215,8 +204,8 @@ def _infini_reference(mixer, x: np.ndarray, rule: str):
 @pytest.mark.parametrize("variant", ["infini-linear", "infini-delta"])
 def test_infini_scan_equals_segment_loop(variant):
     mixer = _mixer(variant)
-    u = _inputs(l=4 * SEGMENT - 1)  # the last segment is padded
-    y, cache = _run(mixer, u)
+    u = random_inputs(l=4 * SEGMENT - 1)  # the last segment is padded
+    y, cache = run_parallel(mixer, u)
     want, mem, norm = _infini_reference(mixer, np.asarray(u, np.float64), mixer.rule)
     np.testing.assert_allclose(y, want, **TOL[jnp.float32])
     np.testing.assert_allclose(cache.mem, mem, **TOL[jnp.float32])
@@ -284,8 +273,12 @@ def test_swa_never_builds_a_quadratic_array(variant):
 
 def test_samba_lm_decode_equals_parallel():
     cfg = _cfg(
-        "mamba", block_pattern=("mamba", "mlp", "swa", "mlp"), n_layer=4, tie_embeddings=False,
-        mamba=MambaConfig(d_state=8, d_conv=4), attention=AttentionConfig(n_heads=4, window=4),
+        "mamba",
+        block_pattern=("mamba", "mlp", "swa", "mlp"),
+        n_layer=4,
+        tie_embeddings=False,
+        mamba=MambaConfig(d_state=8, d_conv=4),
+        attention=AttentionConfig(n_heads=4, window=4),
     )
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size)

@@ -18,8 +18,14 @@ CONFIGS = sorted(CONFIG_DIR.glob("*.py"))
 # PAPERS.md §4.2 (tied embeddings; vocab padded to 50280 / 50288), in millions, as printed.
 # Compared at the printed precision.
 RELEASED_PARAMS_M = {
-    "mamba_130m": "129.1", "mamba_370m": "371.5", "mamba_790m": "793.2", "mamba_1_4b": "1372",
-    "mamba_2_8b": "2768", "mamba2_130m": "129.0", "mamba2_780m": "780.2", "mamba2_1_3b": "1343.8",
+    "mamba_130m": "129.1",
+    "mamba_370m": "371.5",
+    "mamba_790m": "793.2",
+    "mamba_1_4b": "1372",
+    "mamba_2_8b": "2768",
+    "mamba2_130m": "129.0",
+    "mamba2_780m": "780.2",
+    "mamba2_1_3b": "1343.8",
     "mamba2_2_7b": "2702.6",
 }
 
@@ -31,11 +37,21 @@ def _param_count(cfg: ModelConfig) -> int:
 
 
 def test_overrides_parse_to_field_types():
-    cfg = config_lib.apply_overrides(Config(), [
-        "seed=3", "workdir=/tmp/run", "model.d_model=128", "model.norm_eps=1e-6", "model.tie_embeddings=false",
-        "model.block_pattern=mamba2,mamba", "model.dtype=bfloat16", "model.mamba.dt_rank=none",
-        "model.mamba2.dt_limit=(0.001, inf)", "model.mamba2.chunk_size=64",
-    ])
+    cfg = config_lib.apply_overrides(
+        Config(),
+        [
+            "seed=3",
+            "workdir=/tmp/run",
+            "model.d_model=128",
+            "model.norm_eps=1e-6",
+            "model.tie_embeddings=false",
+            "model.block_pattern=mamba2,mamba",
+            "model.dtype=bfloat16",
+            "model.mamba.dt_rank=none",
+            "model.mamba2.dt_limit=(0.001, inf)",
+            "model.mamba2.chunk_size=64",
+        ],
+    )
     assert cfg.seed == 3 and cfg.workdir == "/tmp/run"
     m = cfg.model
     assert (m.d_model, m.norm_eps, m.tie_embeddings, m.dtype) == (128, 1e-6, False, "bfloat16")
@@ -44,26 +60,40 @@ def test_overrides_parse_to_field_types():
     assert config_lib.apply_overrides(cfg, ["model.mamba.dt_rank=5"]).model.mamba.dt_rank == 5
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.d_modle=3", "unknown config key 'model.d_modle'"),
-    ("nope=1", "unknown config key 'nope'"),
-    ("model.d_model=1.5", "config key 'model.d_model' expects int, got '1.5'"),
-    ("model.tie_embeddings=maybe", "config key 'model.tie_embeddings' expects bool, got 'maybe'"),
-    ("model.dtype=float8", r"config key 'model.dtype' must be one of \('float32', 'bfloat16', 'float16'\)"),
-    ("model.mamba2.dt_limit=(1,2,3)", "config key 'model.mamba2.dt_limit' expects"),
-    ("model=3", "config key 'model' is a section"),
-    ("model.d_model.x=3", "unknown config key 'model.d_model.x'"),
-    ("seed", "is not of the form key=value"),
-    ("model.block_pattern=mamba,transformer", "unknown mixer kind 'transformer'"),
-    ("model.block_pattern=mamba,mamba2,mamba,mamba2,mamba", r"n_layer=24 must be a multiple of len\(model.block_pattern\)=5"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.d_modle=3", "unknown config key 'model.d_modle'"),
+        ("nope=1", "unknown config key 'nope'"),
+        ("model.d_model=1.5", "config key 'model.d_model' expects int, got '1.5'"),
+        (
+            "model.tie_embeddings=maybe",
+            "config key 'model.tie_embeddings' expects bool, got 'maybe'",
+        ),
+        (
+            "model.dtype=float8",
+            r"config key 'model.dtype' must be one of \('float32', 'bfloat16', 'float16'\)",
+        ),
+        ("model.mamba2.dt_limit=(1,2,3)", "config key 'model.mamba2.dt_limit' expects"),
+        ("model=3", "config key 'model' is a section"),
+        ("model.d_model.x=3", "unknown config key 'model.d_model.x'"),
+        ("seed", "is not of the form key=value"),
+        ("model.block_pattern=mamba,transformer", "unknown mixer kind 'transformer'"),
+        (
+            "model.block_pattern=mamba,mamba2,mamba,mamba2,mamba",
+            r"n_layer=24 must be a multiple of len\(model.block_pattern\)=5",
+        ),
+    ],
+)
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         config_lib.apply_overrides(Config(), [override])
 
 
 def test_json_round_trip(tmp_path):
-    cfg = config_lib.apply_overrides(Config(), ["model.block_pattern=mamba2,mamba", "model.mamba2.ngroups=2"])
+    cfg = config_lib.apply_overrides(
+        Config(), ["model.block_pattern=mamba2,mamba", "model.mamba2.ngroups=2"]
+    )
     config_lib.save_json(cfg, tmp_path / "c.json")
     assert config_lib.load_json(Config, tmp_path / "c.json") == cfg
     with pytest.raises(ValueError, match=r"unknown config keys \['model.bogus'\]"):
@@ -85,14 +115,32 @@ def test_joint_recall_grid():
     path = CONFIG_DIR / "joint_recall.py"
     variants = config_lib.load_config_file(path).model  # the default variant
     assert variants.sparse.pattern == "lsh+ks"
-    module_variants = ("mamba,none", "mamba,d", "mamba,sw", "mamba,sw+d", "mamba,a", "mamba,lsh", "mamba,ks",
-                       "mamba,hax", "mamba,double", "mamba2,none", "mamba2,hax", "mamba2,double", "samba")
+    module_variants = (
+        "mamba,none",
+        "mamba,d",
+        "mamba,sw",
+        "mamba,sw+d",
+        "mamba,a",
+        "mamba,lsh",
+        "mamba,ks",
+        "mamba,hax",
+        "mamba,double",
+        "mamba2,none",
+        "mamba2,hax",
+        "mamba2,double",
+        "samba",
+    )
     counts = {}
     for variant in module_variants:
         cfg = config_lib.load_config_file(f"{path}:{variant}")
         counts[variant] = _param_count(cfg.model)
     assert config_lib.load_config_file(f"{path}:mamba,sw+d").model.sparse.pattern == "sw+dilated"
-    assert config_lib.load_config_file(f"{path}:samba").model.mixer_kinds == ("mamba", "mlp", "swa", "mlp")
+    assert config_lib.load_config_file(f"{path}:samba").model.mixer_kinds == (
+        "mamba",
+        "mlp",
+        "swa",
+        "mlp",
+    )
     # The branch adds few parameters; doubling the width adds many (the paper's fairness argument).
     assert counts["mamba,none"] < counts["mamba,hax"] < counts["mamba,double"]
     with pytest.raises(ValueError, match="unknown joint-recall variant 'mamba,xyz'"):

@@ -29,8 +29,15 @@ def _randomize(model, seed: int):
 def _hf_mamba(tmp_path, *, conv=4, tie=True, bias=False, vocab=64, seed=0):
     """A tiny random MambaForCausalLM."""
     cfg = transformers.MambaConfig(
-        hidden_size=32, state_size=8, num_hidden_layers=2, vocab_size=vocab, conv_kernel=conv, expand=2,
-        use_bias=bias, tie_word_embeddings=tie, use_mambapy=False,
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        vocab_size=vocab,
+        conv_kernel=conv,
+        expand=2,
+        use_bias=bias,
+        tie_word_embeddings=tie,
+        use_mambapy=False,
     )
     torch.manual_seed(seed)
     return _randomize(transformers.MambaForCausalLM(cfg), seed)
@@ -46,11 +53,22 @@ def _hf_groups_its_norm() -> bool:
 def _hf_mamba2(tmp_path, *, groups=1, conv=4, tie=False, chunk=8, vocab=64, seed=0):
     """A tiny random Mamba2ForCausalLM (4 heads of 16)."""
     if groups > 1 and not _hf_groups_its_norm():
-        pytest.skip(f"transformers {transformers.__version__} normalises Mamba2 over all groups at once; "
-                    "mamba_ssm (and hax_jax) normalise each group: no reference for n_groups > 1")
+        pytest.skip(
+            f"transformers {transformers.__version__} normalises Mamba2 over all groups at once; "
+            "mamba_ssm (and hax_jax) normalise each group: no reference for n_groups > 1"
+        )
     cfg = transformers.Mamba2Config(
-        hidden_size=32, expand=2, num_heads=4, head_dim=16, state_size=8, n_groups=groups,
-        num_hidden_layers=2, vocab_size=vocab, conv_kernel=conv, chunk_size=chunk, tie_word_embeddings=tie,
+        hidden_size=32,
+        expand=2,
+        num_heads=4,
+        head_dim=16,
+        state_size=8,
+        n_groups=groups,
+        num_hidden_layers=2,
+        vocab_size=vocab,
+        conv_kernel=conv,
+        chunk_size=chunk,
+        tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)
     return _randomize(transformers.Mamba2ForCausalLM(cfg), seed)
@@ -82,11 +100,25 @@ def _save_mamba_ssm(model, path, *, vocab: int, ssm_cfg: dict):
     """Writes `model` as an original mamba_ssm checkpoint (config.json + pytorch_model.bin)."""
     path.mkdir(parents=True)
     hf = model.config
-    config = dict(d_model=hf.hidden_size, d_intermediate=0, n_layer=hf.num_hidden_layers, vocab_size=vocab,
-                  ssm_cfg=ssm_cfg, attn_layer_idx=[], attn_cfg={}, rms_norm=True, residual_in_fp32=True,
-                  fused_add_norm=True, pad_vocab_size_multiple=8, tie_embeddings=hf.tie_word_embeddings)
+    config = dict(
+        d_model=hf.hidden_size,
+        d_intermediate=0,
+        n_layer=hf.num_hidden_layers,
+        vocab_size=vocab,
+        ssm_cfg=ssm_cfg,
+        attn_layer_idx=[],
+        attn_cfg={},
+        rms_norm=True,
+        residual_in_fp32=True,
+        fused_add_norm=True,
+        pad_vocab_size_multiple=8,
+        tie_embeddings=hf.tie_word_embeddings,
+    )
     (path / "config.json").write_text(json.dumps(config))
-    state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in model.state_dict().items()}
+    state = {
+        k.replace("backbone.embeddings.", "backbone.embedding."): v
+        for k, v in model.state_dict().items()
+    }
     if hf.tie_word_embeddings:
         state["lm_head.weight"] = state["backbone.embedding.weight"]
     torch.save(state, path / "pytorch_model.bin")
@@ -104,7 +136,9 @@ def _check_parity_and_round_trip(hf_model, src, tmp_path, vocab):
 
     back = tmp_path / "hf_again"
     convert.main([str(out), str(back), "--to-hf"])
-    original = {k.replace("embedding.", "embeddings."): v.numpy() for k, v in hf_model.state_dict().items()}
+    original = {
+        k.replace("embedding.", "embeddings."): v.numpy() for k, v in hf_model.state_dict().items()
+    }
     if hf_model.config.tie_word_embeddings:
         original.pop("lm_head.weight", None)
     again = convert.read_tensors(back)
@@ -112,7 +146,9 @@ def _check_parity_and_round_trip(hf_model, src, tmp_path, vocab):
     for key, value in original.items():
         np.testing.assert_array_equal(again[key], value, err_msg=key)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
-    np.testing.assert_allclose(_hf_logits(reloaded, tokens), _hf_logits(hf_model, tokens), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(
+        _hf_logits(reloaded, tokens), _hf_logits(hf_model, tokens), atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.parametrize(
@@ -150,26 +186,42 @@ def test_mamba_ssm_checkpoints_match_transformers(tmp_path):
     m1 = _hf_mamba(tmp_path, vocab=64, seed=1)
     src1 = _save_mamba_ssm(m1, tmp_path / "m1", vocab=61, ssm_cfg={"d_state": 8})
     m2 = _hf_mamba2(tmp_path, groups=2, tie=True, chunk=8, seed=2)
-    src2 = _save_mamba_ssm(m2, tmp_path / "m2", vocab=61, ssm_cfg={
-        "layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8})
+    src2 = _save_mamba_ssm(
+        m2,
+        tmp_path / "m2",
+        vocab=61,
+        ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8},
+    )
     for hf_model, src in ((m1, src1), (m2, src2)):
         model = convert.from_pretrained_dir(src)
         assert model.cfg.vocab_size == 61 and model.cfg.padded_vocab_size == 64
         tokens = _tokens(61)
-        np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), _hf_logits(hf_model, tokens),
-                                   atol=LOGIT_ATOL, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(model(jnp.asarray(tokens))),
+            _hf_logits(hf_model, tokens),
+            atol=LOGIT_ATOL,
+            rtol=0,
+        )
 
 
 def test_cli_entry_point(tmp_path):
     hf_model = _hf_mamba(tmp_path)
     src = _save_hf(hf_model, tmp_path / "hf", "safetensors")
     out = tmp_path / "hax"
-    result = subprocess.run([sys.executable, "-m", "hax_jax.convert", str(src), str(out)],
-                            capture_output=True, text=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    result = subprocess.run(
+        [sys.executable, "-m", "hax_jax.convert", str(src), str(out)],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert result.returncode == 0, result.stderr
     tokens = _tokens(64)
-    np.testing.assert_allclose(np.asarray(load_pretrained(out)(jnp.asarray(tokens))),
-                               _hf_logits(hf_model, tokens), atol=LOGIT_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(load_pretrained(out)(jnp.asarray(tokens))),
+        _hf_logits(hf_model, tokens),
+        atol=LOGIT_ATOL,
+        rtol=0,
+    )
 
 
 def test_errors_name_the_problem(tmp_path):
@@ -189,11 +241,17 @@ def test_errors_name_the_problem(tmp_path):
     cfg = convert.read_config(src)
     tensors = convert.read_tensors(src)
     without = {k: v for k, v in tensors.items() if k != "backbone.layers.1.mixer.x_proj.weight"}
-    with pytest.raises(convert.ConversionError, match=r"missing tensors: \['backbone.layers.1.mixer.x_proj.weight'\]"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"missing tensors: \['backbone.layers.1.mixer.x_proj.weight'\]",
+    ):
         convert.tensors_to_model(cfg, without)
     bad = dict(tensors, **{"backbone.layers.0.mixer.A_log": np.zeros((64, 9), np.float32)})
-    with pytest.raises(convert.ConversionError, match=r"'backbone.layers.0.mixer.A_log' has shape \(64, 9\), "
-                                                      r"expected \(64, 8\)"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"'backbone.layers.0.mixer.A_log' has shape \(64, 9\), "
+        r"expected \(64, 8\)",
+    ):
         convert.tensors_to_model(cfg, bad)
     extra = dict(tensors, **{"backbone.layers.0.mixer.q_proj.weight": np.zeros((2, 2), np.float32)})
     with pytest.raises(convert.ConversionError, match="unexpected tensors"):

@@ -12,6 +12,7 @@ from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig, SparseConfig
 from hax_jax.layers.hax_attention import init_qk_from_bc, ranking_loss
 from hax_jax.models.blocks import MIXERS
 from hax_jax.models.lm import LanguageModel, rank_loss_sum
+from mixer_testing import perturbed, prefill_then_decode, random_inputs, run_parallel
 
 TOL = dict(atol=2e-5, rtol=2e-5)  # fp32
 PATTERNS = ["lsh+ks", "lsh", "ks", "sw+sink", "sw+dilated", "full"]
@@ -20,48 +21,34 @@ PATTERNS = ["lsh+ks", "lsh", "ks", "sw+sink", "sw+dilated", "full"]
 def _cfg(kind: str, pattern: str, **sparse) -> ModelConfig:
     """A small mixer with the branch on; few keys so that selection really is sparse at l = 29."""
     return ModelConfig(
-        d_model=16, n_layer=2, vocab_size=40, block_pattern=(kind,),
-        mamba=MambaConfig(d_state=8), mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8),
-        sparse=SparseConfig(pattern=pattern, num_keys=8, hash_bits=3, max_len=32, decode_capacity=64, **sparse),
+        d_model=16,
+        n_layer=2,
+        vocab_size=40,
+        block_pattern=(kind,),
+        mamba=MambaConfig(d_state=8),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8),
+        sparse=SparseConfig(
+            pattern=pattern, num_keys=8, hash_bits=3, max_len=32, decode_capacity=64, **sparse
+        ),
     )
 
 
 def _mixer(kind: str, pattern: str, seed: int = 0, **sparse):
     """A mixer whose parameters are moved off their init (E = 1, D = 1 ... would hide mistakes)."""
-    mixer = MIXERS[kind](_cfg(kind, pattern, **sparse), rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(mixer)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 7), len(leaves))
-    leaves = [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-
-@nnx.jit
-def _run(mixer, u, cache=None, rng=None):
-    """Parallel mode, jitted."""
-    return mixer(u, cache=cache, rng=rng)
-
-
-_step = nnx.jit(lambda mixer, u, cache: mixer.step(u, cache))
-
-
-def _u(b=2, l=29, d=16, seed=0):
-    """Random mixer inputs."""
-    return jax.random.normal(jax.random.key(seed), (b, l, d))
+    return perturbed(
+        MIXERS[kind](_cfg(kind, pattern, **sparse), rngs=nnx.Rngs(seed)), seed=seed + 7, scale=0.2
+    )
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 @pytest.mark.parametrize("pattern", [p for p in PATTERNS if p != "full"])
 def test_step_equals_parallel(kind, pattern):
     mixer = _mixer(kind, pattern)
-    u = _u()
-    full, _ = _run(mixer, u)  # the sub-quadratic parallel op
-    y0, cache = _run(mixer, u[:, :9], mixer.init_cache(u.shape[0]))  # prefill (step scan) ...
-    outs = [y0]
-    for t in range(9, u.shape[1]):  # ... then one token at a time
-        y, cache = _step(mixer, u[:, t], cache)
-        outs.append(y[:, None])
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
+    u = random_inputs(l=29, d=16)
+    full, _ = run_parallel(mixer, u)  # the sub-quadratic parallel op
+    # A prefill from init_cache (the step scan), then one token at a time.
+    decoded, _ = prefill_then_decode(mixer, u, prefix=9, cache=mixer.init_cache(u.shape[0]))
+    np.testing.assert_allclose(decoded, full, **TOL)
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
@@ -71,7 +58,7 @@ def test_no_future_leakage(kind, pattern, training):
     """Gradients see leaks through the attention weights; changed futures see leaks through the
     (discrete, gradient-free) selection of keys."""
     graphdef, state = nnx.split(_mixer(kind, pattern))
-    u = _u(b=1)
+    u = random_inputs(b=1, l=29, d=16)
     rng = jax.random.key(3) if training else None
 
     @jax.jit
@@ -89,11 +76,11 @@ def test_no_future_leakage(kind, pattern, training):
 def test_official_code_option_leaks_the_future():
     """The official code centres and normalises over the whole sequence: early outputs depend on later
     tokens (through which keys are selected), where ours do not."""
-    u = _u(b=1)
+    u = random_inputs(b=1, l=29, d=16)
     changed = u.at[:, 12:].set(jax.random.normal(jax.random.key(9), u[:, 12:].shape))
     for official, leaks in ((True, True), (False, False)):
         mixer = _mixer("mamba2", "lsh+ks", official_code=official)
-        before, after = _run(mixer, u)[0][:, :12], _run(mixer, changed)[0][:, :12]
+        before, after = run_parallel(mixer, u)[0][:, :12], run_parallel(mixer, changed)[0][:, :12]
         assert bool(np.any(np.asarray(before) != np.asarray(after))) == leaks
     mixer = _mixer("mamba2", "lsh+ks", official_code=True)
     with pytest.raises(ValueError, match="official_code=True is non-causal"):
@@ -131,16 +118,21 @@ def test_ranking_loss_equals_the_paper():
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 def test_rank_loss_is_sown_in_training_and_trains_only_the_scorer(kind):
     mixer = _mixer(kind, "lsh+ks")
-    u = _u()
+    u = random_inputs(l=29, d=16)
     graphdef, params = nnx.split(mixer, nnx.Param)
 
     def rank_loss(params):
-        _, sown = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(u, rng=jax.random.key(1))
+        _, sown = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(
+            u, rng=jax.random.key(1)
+        )
         return rank_loss_sum(sown)
 
     loss, grads = jax.value_and_grad(rank_loss)(params)
     assert np.isfinite(loss) and loss > 0
-    flat = {"/".join(map(str, p)): g for p, g in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]}
+    flat = {
+        "/".join(map(str, p)): g
+        for p, g in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0]
+    }
     moved = {name for name, g in flat.items() if np.any(np.asarray(g) != 0)}
     assert moved and all("scorer" in name for name in moved), moved
     _, sown = nnx.capture(mixer, nnx.Intermediate)(u)  # evaluation sows nothing
@@ -149,21 +141,28 @@ def test_rank_loss_is_sown_in_training_and_trains_only_the_scorer(kind):
 
 def test_hash_is_resampled_in_training_and_fixed_in_eval():
     mixer = _mixer("mamba", "lsh")
-    u = _u()
-    a, b = _run(mixer, u, rng=jax.random.key(1))[0], _run(mixer, u, rng=jax.random.key(2))[0]
+    u = random_inputs(l=29, d=16)
+    a, b = (
+        run_parallel(mixer, u, rng=jax.random.key(1))[0],
+        run_parallel(mixer, u, rng=jax.random.key(2))[0],
+    )
     assert not np.allclose(a, b)
-    np.testing.assert_array_equal(_run(mixer, u)[0], _run(mixer, u)[0])
+    np.testing.assert_array_equal(run_parallel(mixer, u)[0], run_parallel(mixer, u)[0])
 
 
 def test_padding_is_never_a_rank_candidate():
     mixer = _mixer("mamba", "ks")
-    u = _u(b=1)
+    u = random_inputs(b=1, l=29, d=16)
     mask = jnp.arange(29)[None] < 6  # 6 real tokens, fewer than kc = 8 candidates
-    with_mask = rank_loss_sum(nnx.capture(mixer, nnx.Intermediate)(u, mask=mask, rng=jax.random.key(0))[1])
+    with_mask = rank_loss_sum(
+        nnx.capture(mixer, nnx.Intermediate)(u, mask=mask, rng=jax.random.key(0))[1]
+    )
     assert np.isfinite(with_mask) and with_mask > 0
     # Candidates are sampled among the 6 real positions only: padding rows change nothing.
     padded = u.at[:, 6:].set(100.0)
-    again = rank_loss_sum(nnx.capture(mixer, nnx.Intermediate)(padded, mask=mask, rng=jax.random.key(0))[1])
+    again = rank_loss_sum(
+        nnx.capture(mixer, nnx.Intermediate)(padded, mask=mask, rng=jax.random.key(0))[1]
+    )
     np.testing.assert_allclose(again, with_mask, **TOL)
 
 
@@ -187,7 +186,9 @@ def test_hax_lm_trains_and_decodes():
     _, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
     assert len(jax.tree.leaves(sown)) == cfg.n_layer and rank_loss_sum(sown) > 0
     full = nnx.jit(lambda m, t: m(t))(model, tokens)
-    logits, cache = nnx.jit(lambda m, t, c: m.forward(t, cache=c))(model, tokens[:, :5], model.init_cache(2))
+    logits, cache = nnx.jit(lambda m, t, c: m.forward(t, cache=c))(
+        model, tokens[:, :5], model.init_cache(2)
+    )
     outs = [logits]
     step = nnx.jit(lambda m, t, c: m.step(t, c))
     for t in range(5, 15):

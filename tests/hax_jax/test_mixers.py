@@ -11,6 +11,7 @@ from flax import nnx
 from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig
 from hax_jax.models.blocks import MIXERS
 from hax_jax.models.lm import LanguageModel
+from mixer_testing import perturbed, prefill_then_decode, random_inputs, run_parallel
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # fp32 gradients of two exact algorithms
@@ -19,48 +20,29 @@ GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # fp32 gradients of two exact algorithms
 def _cfg(kind: str, **kw) -> ModelConfig:
     """A small config of one mixer kind; Mamba-2 with 2 groups and chunks that do not divide l."""
     return ModelConfig(
-        d_model=32, n_layer=2, vocab_size=50, block_pattern=(kind,),
+        d_model=32,
+        n_layer=2,
+        vocab_size=50,
+        block_pattern=(kind,),
         mamba=MambaConfig(d_state=8, d_conv=4),
-        mamba2=Mamba2Config(d_state=8, headdim=8, ngroups=2, chunk_size=8, d_conv=4), **kw,
+        mamba2=Mamba2Config(d_state=8, headdim=8, ngroups=2, chunk_size=8, d_conv=4),
+        **kw,
     )
 
 
 def _mixer(kind: str, seed: int = 0, **kw):
     """A mixer with every parameter moved off its init, so structure cannot hide errors."""
-    mixer = MIXERS[kind](_cfg(kind, **kw), rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(mixer)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-
-@nnx.jit
-def _run(mixer, u, cache=None, seq_idx=None):
-    """Parallel mode, jitted (eager dispatch of every op is slow on CPU)."""
-    return mixer(u, cache=cache, seq_idx=seq_idx)
-
-
-_step = nnx.jit(lambda mixer, u, cache: mixer.step(u, cache))
-
-
-def _inputs(b=2, l=19, d=32, seed=0, dtype=jnp.float32):
-    """Random mixer inputs (b, l, d)."""
-    return jax.random.normal(jax.random.key(seed), (b, l, d), dtype)
+    return perturbed(MIXERS[kind](_cfg(kind, **kw), rngs=nnx.Rngs(seed)), seed=seed + 1, scale=0.1)
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 def test_step_equals_parallel(kind):
     mixer = _mixer(kind)
-    u = _inputs()
-    full, final_cache = _run(mixer, u)
+    u = random_inputs()
+    full, final_cache = run_parallel(mixer, u)
     # Prefill 7 tokens in parallel, then decode the rest one token at a time.
-    y0, cache = _run(mixer, u[:, :7])
-    outs = [y0]
-    for t in range(7, u.shape[1]):
-        y, cache = _step(mixer, u[:, t], cache)
-        outs.append(y[:, None])
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL[jnp.float32])
+    decoded, cache = prefill_then_decode(mixer, u, prefix=7)
+    np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(final_cache), strict=True):
         np.testing.assert_allclose(got, want, **TOL[jnp.float32])
 
@@ -68,24 +50,41 @@ def test_step_equals_parallel(kind):
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 def test_pieces_equal_whole(kind):
     mixer = _mixer(kind)
-    u = _inputs(l=23)
-    full, _ = _run(mixer, u)
+    u = random_inputs(l=23)
+    full, _ = run_parallel(mixer, u)
     cache, outs = None, []
     for lo, hi in ((0, 2), (2, 11), (11, 23)):  # pieces shorter than the conv window and the chunk
-        y, cache = _run(mixer, u[:, lo:hi], cache)
+        y, cache = run_parallel(mixer, u[:, lo:hi], cache)
         outs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("kind, fast, slow", [
-    ("mamba", dict(mamba=MambaConfig(d_state=8, scan_impl="associative")),
-     dict(mamba=MambaConfig(d_state=8, scan_impl="reference"))),
-    ("mamba2", dict(mamba2=Mamba2Config(d_state=8, headdim=8, ngroups=2, chunk_size=8, ssd_impl="chunked")),
-     dict(mamba2=Mamba2Config(d_state=8, headdim=8, ngroups=2, chunk_size=8, ssd_impl="reference"))),
-])
+@pytest.mark.parametrize(
+    "kind, fast, slow",
+    [
+        (
+            "mamba",
+            dict(mamba=MambaConfig(d_state=8, scan_impl="associative")),
+            dict(mamba=MambaConfig(d_state=8, scan_impl="reference")),
+        ),
+        (
+            "mamba2",
+            dict(
+                mamba2=Mamba2Config(
+                    d_state=8, headdim=8, ngroups=2, chunk_size=8, ssd_impl="chunked"
+                )
+            ),
+            dict(
+                mamba2=Mamba2Config(
+                    d_state=8, headdim=8, ngroups=2, chunk_size=8, ssd_impl="reference"
+                )
+            ),
+        ),
+    ],
+)
 def test_fast_path_gradients_equal_reference(kind, fast, slow):
     """Values and gradients (inputs and every parameter) of the fast scan match the reference scan."""
-    u = _inputs(l=21)
+    u = random_inputs(l=21)
     weights = jax.random.normal(jax.random.key(5), u.shape)
 
     def grads(overrides):
@@ -109,7 +108,7 @@ def test_fast_path_gradients_equal_reference(kind, fast, slow):
 def test_causal(kind):
     """d out_i / d u_j == 0 exactly for j > i."""
     mixer = _mixer(kind)
-    u = _inputs(b=1, l=12)
+    u = random_inputs(b=1, l=12)
     i = 5
     grad = nnx.jit(jax.grad(lambda u, m: jnp.sum(m(u)[0][:, i])))(u, mixer)
     assert np.all(np.asarray(grad[:, i + 1 :]) == 0.0)
@@ -118,34 +117,43 @@ def test_causal(kind):
 
 def test_mamba2_packed_documents_equal_separate_runs():
     mixer = _mixer("mamba2")
-    u = _inputs(b=1, l=22)
-    bounds = [(0, 5), (5, 16), (16, 17), (17, 22)]  # inside chunks, on none of their edges, length 1
-    seq_idx = jnp.concatenate([jnp.full((1, hi - lo), i, jnp.int32) for i, (lo, hi) in enumerate(bounds)], 1)
-    packed, cache = _run(mixer, u, seq_idx=seq_idx)
-    separate = jnp.concatenate([_run(mixer, u[:, lo:hi])[0] for lo, hi in bounds], 1)
+    u = random_inputs(b=1, l=22)
+    bounds = [
+        (0, 5),
+        (5, 16),
+        (16, 17),
+        (17, 22),
+    ]  # inside chunks, on none of their edges, length 1
+    seq_idx = jnp.concatenate(
+        [jnp.full((1, hi - lo), i, jnp.int32) for i, (lo, hi) in enumerate(bounds)], 1
+    )
+    packed, cache = run_parallel(mixer, u, seq_idx=seq_idx)
+    separate = jnp.concatenate([run_parallel(mixer, u[:, lo:hi])[0] for lo, hi in bounds], 1)
     np.testing.assert_allclose(packed, separate, **TOL[jnp.float32])
     # The cache continues the last document only.
-    _, last_cache = _run(mixer, u[:, 17:22])
+    _, last_cache = run_parallel(mixer, u[:, 17:22])
     for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(last_cache), strict=True):
         np.testing.assert_allclose(got, want, **TOL[jnp.float32])
 
 
 def test_mamba_rejects_seq_idx():
     with pytest.raises(ValueError, match="seq_idx .* mamba2 layers only"):
-        _mixer("mamba")(_inputs(), seq_idx=jnp.zeros((2, 19), jnp.int32))
+        _mixer("mamba")(random_inputs(), seq_idx=jnp.zeros((2, 19), jnp.int32))
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 def test_bfloat16_compute_close_to_float32(kind):
-    u = _inputs()
-    y32, _ = _run(_mixer(kind), u)
-    y16, _ = _run(_mixer(kind, dtype="bfloat16"), u.astype(jnp.bfloat16))
+    u = random_inputs()
+    y32, _ = run_parallel(_mixer(kind), u)
+    y16, _ = run_parallel(_mixer(kind, dtype="bfloat16"), u.astype(jnp.bfloat16))
     assert y16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y16, np.float32), y32, **TOL[jnp.bfloat16])
 
 
 def test_lm_decode_equals_parallel_for_a_hybrid():
-    cfg = dataclasses.replace(_cfg("mamba"), block_pattern=("mamba2", "mamba"), n_layer=4, tie_embeddings=False)
+    cfg = dataclasses.replace(
+        _cfg("mamba"), block_pattern=("mamba2", "mamba"), n_layer=4, tie_embeddings=False
+    )
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size)
     full = nnx.jit(lambda m, t: m(t))(model, tokens)

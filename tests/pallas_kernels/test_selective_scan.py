@@ -97,9 +97,7 @@ def test_gradients_match_reference():
 def test_reference_gradient_matches_finite_differences():
     """Reference gradients equal float64 central differences along random directions."""
     with jax.enable_x64(True):
-        inputs = {
-            k: v.astype(jnp.float64) for k, v in make_inputs(1, 5, 2, 3, seed=3).items()
-        }
+        inputs = {k: v.astype(jnp.float64) for k, v in make_inputs(1, 5, 2, 3, seed=3).items()}
         rng = np.random.default_rng(4)
         w = rng.standard_normal((1, 5, 2))
 

@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attention import (
-    init_cache, lsh_buckets, running_mean, sparse_attention, sparse_attention_mask,
-    sparse_attention_reference, sparse_attention_step,
+    init_cache,
+    lsh_buckets,
+    running_mean,
+    sparse_attention,
+    sparse_attention_mask,
+    sparse_attention_reference,
+    sparse_attention_step,
 )
 
 jax.config.update("jax_enable_x64", False)
@@ -23,9 +28,18 @@ B_, N_, E_, H_ = 2, 8, 6, 3
 MAX_LEN = 40  # dilated: d = max(1, 40 // kc)
 # (pattern, binning); binning only matters with lsh. The last is a 3-way union.
 CASES = [
-    ("sw", "sign"), ("sink", "sign"), ("dilated", "sign"), ("lsh", "sign"), ("lsh", "argmax"),
-    ("ks", "sign"), ("full", "sign"), ("sw+sink", "sign"), ("sw+dilated", "sign"),
-    ("lsh+ks", "sign"), ("lsh+ks", "argmax"), ("sw+lsh+ks", "sign"),
+    ("sw", "sign"),
+    ("sink", "sign"),
+    ("dilated", "sign"),
+    ("lsh", "sign"),
+    ("lsh", "argmax"),
+    ("ks", "sign"),
+    ("full", "sign"),
+    ("sw+sink", "sign"),
+    ("sw+dilated", "sign"),
+    ("lsh+ks", "sign"),
+    ("lsh+ks", "argmax"),
+    ("sw+lsh+ks", "sign"),
 ]
 CASE_IDS = [f"{p}-{b}" if "lsh" in p else p for p, b in CASES]
 
@@ -73,8 +87,16 @@ def probe(fn, inputs, with_rows, **static):
     """
     rest = {name: x for name, x in inputs.items() if name not in ("q", "k", "v")}
     w = jnp.asarray(np.random.default_rng(9).standard_normal(inputs["v"].shape), jnp.float32)
-    return _probe(inputs["q"], inputs["k"], inputs["v"], rest, w, fn=fn, with_rows=with_rows,
-                  static=tuple(sorted(static.items())))
+    return _probe(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        rest,
+        w,
+        fn=fn,
+        with_rows=with_rows,
+        static=tuple(sorted(static.items())),
+    )
 
 
 def check_against_oracle(pattern, binning, l, num_keys, inputs):
@@ -109,8 +131,14 @@ def test_matches_oracle_and_is_causal(pattern, binning):
     static = dict(pattern=pattern, num_keys=num_keys, max_len=MAX_LEN, binning=binning)
     cut = 20
     changed = make_inputs(l, seed=5)
-    mixed = {name: (jnp.concatenate([inputs[name][:, :cut], changed[name][:, cut:]], axis=1)
-                    if name != "hash_proj" else inputs[name]) for name in inputs}
+    mixed = {
+        name: (
+            jnp.concatenate([inputs[name][:, :cut], changed[name][:, cut:]], axis=1)
+            if name != "hash_proj"
+            else inputs[name]
+        )
+        for name in inputs
+    }
     o_mixed = probe(sparse_attention, mixed, True, **static)[0]
     np.testing.assert_array_equal(np.asarray(o_mixed[:, :cut]), np.asarray(o[:, :cut]))
 
@@ -167,17 +195,20 @@ def test_step_equals_parallel(pattern, binning):
     inputs = make_inputs(l, seed=6)
     static = dict(pattern=pattern, num_keys=num_keys, max_len=MAX_LEN, binning=binning)
     o = probe(sparse_attention, inputs, True, **static)[0]  # compiled by the oracle test
-    cache = init_cache(B_, l, N_, E_, pattern=pattern, num_keys=num_keys, hash_bits=H_,
-                       binning=binning)
+    cache = init_cache(
+        B_, l, N_, E_, pattern=pattern, num_keys=num_keys, hash_bits=H_, binning=binning
+    )
 
     @jax.jit
     def decode(cache, hash_proj, q_lbn, k_lbn, v_lbe, key_scores_lb):
         """Scan the step over positions."""
+
         def body(cache, x):
             """One token."""
             q, k, v, score = x
-            o, cache = sparse_attention_step(q, k, v, cache, hash_proj=hash_proj,
-                                             key_score=score, **static)
+            o, cache = sparse_attention_step(
+                q, k, v, cache, hash_proj=hash_proj, key_score=score, **static
+            )
             return cache, o
 
         return jax.lax.scan(body, cache, (q_lbn, k_lbn, v_lbe, key_scores_lb))
@@ -206,6 +237,7 @@ def test_step_capacity():
 
 
 # ---- cost: no (l, l) array anywhere in the forward + backward program ----------------------
+
 
 def _sub_jaxprs(value):
     """Jaxprs inside an equation parameter (ClosedJaxpr, Jaxpr, or tuples / lists of them)."""
@@ -256,10 +288,18 @@ def test_lsh_ks_has_no_quadratic_array():
 
     def jaxpr_of(fn):
         """Jaxpr of the gradient of sum(o) wrt q, k, v."""
-        loss = lambda q, k, v: jnp.sum(fn(  # noqa: E731
-            q, k, v, pattern="lsh+ks", num_keys=64, hash_proj=hash_proj,
-            key_scores=key_scores, binning="sign",
-        ))
+        loss = lambda q, k, v: jnp.sum(
+            fn(  # noqa: E731
+                q,
+                k,
+                v,
+                pattern="lsh+ks",
+                num_keys=64,
+                hash_proj=hash_proj,
+                key_scores=key_scores,
+                binning="sign",
+            )
+        )
         return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     assert big_shapes(jaxpr_of(sparse_attention), l // 2) == []
@@ -267,6 +307,7 @@ def test_lsh_ks_has_no_quadratic_array():
 
 
 # ---- official_code=True ---------------------------------------------------------------------
+
 
 def official_numpy(q, k, v, hash_proj, pattern, num_keys):
     """Direct transcription of the official code for pattern "lsh" or "sw+lsh" (sign binning):
@@ -290,9 +331,9 @@ def official_numpy(q, k, v, hash_proj, pattern, num_keys):
         for i in range(l):
             allowed = np.zeros(l, bool)
             if "sw" in pattern:
-                allowed[max(0, i - kc + 1): i + 1] = True
+                allowed[max(0, i - kc + 1) : i + 1] = True
             same = [j for j in range(i + 1) if bucket_k[bb, j] == bucket_q[bb, i]]
-            allowed[same[len(same) - kc:] if len(same) > kc else same] = True
+            allowed[same[len(same) - kc :] if len(same) > kc else same] = True
             logits = q[bb, i] @ k[bb].T + np.where(allowed, 0.0, np.finfo(np.float32).min)
             p = np.exp(logits - logits.max())
             out[bb, i] = (p / p.sum()) @ v[bb]
@@ -316,17 +357,19 @@ def test_official_code_matches_transcription(pattern, seed, hash_bits, num_keys)
         inputs["k"] = inputs["k"].at[:, :, 0].set(ramp)
         inputs["q"] = inputs["q"].at[:, :, 0].set(-ramp)
     args = (inputs["q"], inputs["k"], inputs["v"])
-    o = sparse_attention(*args, pattern=pattern, num_keys=num_keys,
-                         hash_proj=inputs["hash_proj"], official_code=True)
-    assert_close(o, official_numpy(*args, inputs["hash_proj"], pattern, num_keys),
-                 TOL[jnp.float32])
+    o = sparse_attention(
+        *args, pattern=pattern, num_keys=num_keys, hash_proj=inputs["hash_proj"], official_code=True
+    )
+    assert_close(o, official_numpy(*args, inputs["hash_proj"], pattern, num_keys), TOL[jnp.float32])
     if pattern == "lsh":
         v_mean_be = np.asarray(inputs["v"]).mean(axis=1)
-        assert_close(o[:, : l // 2], np.broadcast_to(v_mean_be[:, None], (B_, l // 2, E_)),
-                     TOL[jnp.float32])
+        assert_close(
+            o[:, : l // 2], np.broadcast_to(v_mean_be[:, None], (B_, l // 2, E_)), TOL[jnp.float32]
+        )
 
 
 # ---- errors ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "change, match",
@@ -340,8 +383,10 @@ def test_official_code_matches_transcription(pattern, seed, hash_bits, num_keys)
         (dict(num_keys=4.0), "num_keys must be a positive int, got 4.0"),
         (dict(binning="round"), "binning must be one of .*, got 'round'"),
         (dict(pattern="lsh", hash_proj=None), "hash_proj \\(n, h\\) is required by 'lsh'"),
-        (dict(pattern="lsh", hash_proj=jnp.zeros((N_ + 1, 3))),
-         "hash_proj must have shape \\(n, h\\) with n = 8, got \\(9, 3\\)"),
+        (
+            dict(pattern="lsh", hash_proj=jnp.zeros((N_ + 1, 3))),
+            "hash_proj must have shape \\(n, h\\) with n = 8, got \\(9, 3\\)",
+        ),
         (dict(pattern="lsh", hash_proj=jnp.zeros((N_, 31))), "at most 30 hash bits, got h = 31"),
         (dict(pattern="ks", key_scores=None), "key_scores \\(b, l\\) is required by 'ks'"),
         (dict(pattern="ks", key_scores=jnp.zeros((B_, 6))), "key_scores must have shape"),
@@ -373,16 +418,17 @@ def test_bad_step_arguments_raise():
     cache = init_cache(B_, 4, N_, E_, hash_bits=H_, **static)
     hash_proj, score = inputs["hash_proj"], inputs["key_scores"][:, 0]
     with pytest.raises(ValueError, match="official_code=True has no step mode"):
-        sparse_attention_step(q, k, v, cache, hash_proj=hash_proj, key_score=score,
-                              official_code=True, **static)
+        sparse_attention_step(
+            q, k, v, cache, hash_proj=hash_proj, key_score=score, official_code=True, **static
+        )
     with pytest.raises(ValueError, match="key_score \\(b,\\) is required by 'ks'"):
         sparse_attention_step(q, k, v, cache, hash_proj=hash_proj, **static)
     with pytest.raises(ValueError, match="cache.lsh_table must have shape"):
-        sparse_attention_step(q, k, v, cache, hash_proj=jnp.zeros((N_, H_ + 1)),
-                              key_score=score, **static)
+        sparse_attention_step(
+            q, k, v, cache, hash_proj=jnp.zeros((N_, H_ + 1)), key_score=score, **static
+        )
     with pytest.raises(ValueError, match="v must have shape \\(b, e\\) = \\(2, 6\\)"):
-        sparse_attention_step(q, k, v[:, :3], cache, hash_proj=hash_proj, key_score=score,
-                              **static)
+        sparse_attention_step(q, k, v[:, :3], cache, hash_proj=hash_proj, key_score=score, **static)
 
 
 @pytest.mark.parametrize("binning", ["sign", "argmax"])
@@ -410,7 +456,9 @@ def test_zero_centred_vectors_bucket_the_same_in_parallel_and_decode(binning):
             o, cache = sparse_attention_step(q, k, x_t, cache, hash_proj=hash_proj, **static)
             return cache, o
 
-        cache = init_cache(B_, l, N_, d, pattern="lsh", num_keys=num_keys, hash_bits=H_, binning=binning)
+        cache = init_cache(
+            B_, l, N_, d, pattern="lsh", num_keys=num_keys, hash_bits=H_, binning=binning
+        )
         return jnp.moveaxis(jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))[1], 0, 1)
 
     assert_close(decode(x, w), parallel(x, w), TOL[jnp.float32])

@@ -184,8 +184,13 @@ def test_bad_inputs_raise(name, bad, match):
     inputs[name] = bad
     with pytest.raises(ValueError, match=match):
         pos = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
-        ssd(*pos, chunk_size=4, D=inputs["D"], initial_state=inputs["initial_state"],
-            seq_idx=inputs["seq_idx"])
+        ssd(
+            *pos,
+            chunk_size=4,
+            D=inputs["D"],
+            initial_state=inputs["initial_state"],
+            seq_idx=inputs["seq_idx"],
+        )
 
 
 @pytest.mark.parametrize(
