@@ -41,7 +41,7 @@ def _mixer(kind: str, pattern: str, seed: int = 0, **sparse):
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
-@pytest.mark.parametrize("pattern", [p for p in PATTERNS if p != "full"])
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_step_equals_parallel(kind, pattern):
     mixer = _mixer(kind, pattern)
     u = random_inputs(l=29, d=16)
