@@ -42,7 +42,8 @@ def _base(d_model: int, base: str) -> ModelConfig:
         vocab_size=100,
         pad_vocab_size_multiple=1,
         block_pattern=(base,),
-        tie_embeddings=False,
+        tie_embeddings=True,  # the HAX trainer's logits use the embedding matrix
+        dtype="bfloat16",  # the HAX trainer runs the model in bf16 (here: bf16 compute, fp32 params)
         residual_in_fp32=base == "mamba2",
         mamba=MambaConfig(d_state=16, dt_rank=8),
         mamba2=Mamba2Config(d_state=32, headdim=d_model // 4, chunk_size=256),
