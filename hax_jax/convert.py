@@ -232,6 +232,13 @@ def _check_known(ssm: dict, known: set, where: str) -> None:
 def hf_config(cfg: ModelConfig) -> dict:
     """The HF config.json of a pure Mamba or Mamba-2 ModelConfig."""
     kinds = set(cfg.block_pattern)
+    if kinds not in ({"mamba"}, {"mamba2"}):
+        raise ConversionError(
+            f"block_pattern {cfg.block_pattern} has no HF equivalent; "
+            "only pure ('mamba',) or ('mamba2',) models convert to HF"
+        )
+    m = cfg.mamba if kinds == {"mamba"} else cfg.mamba2
+    # Fields both HF configs share, read from the mixer config (both use mamba_ssm's names).
     common = dict(
         hidden_size=cfg.d_model,
         num_hidden_layers=cfg.n_layer,
@@ -240,47 +247,32 @@ def hf_config(cfg: ModelConfig) -> dict:
         residual_in_fp32=cfg.residual_in_fp32,
         layer_norm_epsilon=cfg.norm_eps,
         hidden_act="silu",
+        state_size=m.d_state,
+        conv_kernel=m.d_conv,
+        expand=m.expand,
+        time_step_min=m.dt_min,
+        time_step_max=m.dt_max,
+        time_step_floor=m.dt_init_floor,
+        use_conv_bias=m.conv_bias,
+        use_bias=m.bias,
     )
     if kinds == {"mamba"}:
-        m = cfg.mamba
         return dict(
             model_type="mamba",
             architectures=["MambaForCausalLM"],
-            state_size=m.d_state,
-            conv_kernel=m.d_conv,
-            expand=m.expand,
             time_step_rank=m.dt_rank or math.ceil(cfg.d_model / 16),
-            time_step_min=m.dt_min,
-            time_step_max=m.dt_max,
-            time_step_floor=m.dt_init_floor,
             time_step_scale=m.dt_scale,
-            use_conv_bias=m.conv_bias,
-            use_bias=m.bias,
             **common,
         )
-    if kinds == {"mamba2"}:
-        m = cfg.mamba2
-        return dict(
-            model_type="mamba2",
-            architectures=["Mamba2ForCausalLM"],
-            state_size=m.d_state,
-            conv_kernel=m.d_conv,
-            expand=m.expand,
-            head_dim=m.headdim,
-            num_heads=m.expand * cfg.d_model // m.headdim,
-            n_groups=m.ngroups,
-            chunk_size=m.chunk_size,
-            time_step_min=m.dt_min,
-            time_step_max=m.dt_max,
-            time_step_floor=m.dt_init_floor,
-            time_step_limit=list(m.dt_limit),
-            use_conv_bias=m.conv_bias,
-            use_bias=m.bias,
-            **common,
-        )
-    raise ConversionError(
-        f"block_pattern {cfg.block_pattern} has no HF equivalent; "
-        "only pure ('mamba',) or ('mamba2',) models convert to HF"
+    return dict(
+        model_type="mamba2",
+        architectures=["Mamba2ForCausalLM"],
+        head_dim=m.headdim,
+        num_heads=m.expand * cfg.d_model // m.headdim,
+        n_groups=m.ngroups,
+        chunk_size=m.chunk_size,
+        time_step_limit=list(m.dt_limit),
+        **common,
     )
 
 

@@ -11,7 +11,14 @@ from hax_jax.config import AttentionConfig, InfiniConfig, MambaConfig, MlpConfig
 from hax_jax.layers.infini import memory_retrieve, memory_update, sigma
 from hax_jax.models.blocks import MIXERS
 from hax_jax.models.lm import LanguageModel
-from mixer_testing import perturbed, prefill_then_decode, random_inputs, run_parallel
+from mixer_testing import (
+    lm_logits,
+    lm_prefill_then_decode,
+    perturbed,
+    prefill_then_decode,
+    random_inputs,
+    run_parallel,
+)
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 WINDOW, SEGMENT = 5, 6  # small, so short sequences cross several windows / segments
@@ -282,12 +289,7 @@ def test_samba_lm_decode_equals_parallel():
     )
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size)
-    full = nnx.jit(lambda m, t: m(t))(model, tokens)
+    full = lm_logits(model, tokens)
     assert full.shape == (2, 13, cfg.padded_vocab_size) and full.dtype == jnp.float32
-    logits, cache = nnx.jit(lambda m, t: m.forward(t))(model, tokens[:, :4])
-    outs = [logits]
-    step = nnx.jit(lambda m, t, c: m.step(t, c))
-    for t in range(4, 13):
-        step_logits, cache = step(model, tokens[:, t], cache)
-        outs.append(step_logits[:, None])
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL[jnp.float32])
+    decoded, _ = lm_prefill_then_decode(model, tokens, prefix=4)
+    np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])

@@ -12,7 +12,14 @@ from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig, SparseConfig
 from hax_jax.layers.hax_attention import init_qk_from_bc, ranking_loss
 from hax_jax.models.blocks import MIXERS
 from hax_jax.models.lm import LanguageModel, rank_loss_sum
-from mixer_testing import perturbed, prefill_then_decode, random_inputs, run_parallel
+from mixer_testing import (
+    lm_logits,
+    lm_prefill_then_decode,
+    perturbed,
+    prefill_then_decode,
+    random_inputs,
+    run_parallel,
+)
 
 TOL = dict(atol=2e-5, rtol=2e-5)  # fp32
 PATTERNS = ["lsh+ks", "lsh", "ks", "sw+sink", "sw+dilated", "full"]
@@ -167,7 +174,7 @@ def test_padding_is_never_a_rank_candidate():
 
 
 def test_qk_projection_from_pretrained_b_c():
-    cfg = dataclasses.replace(_cfg("mamba", "lsh+ks"))
+    cfg = _cfg("mamba", "lsh+ks")
     mixer = MIXERS["mamba"](cfg, rngs=nnx.Rngs(0))
     kernel = mixer.x_proj.kernel[...]
     r, n = mixer.dt_rank, mixer.d_state
@@ -185,16 +192,9 @@ def test_hax_lm_trains_and_decodes():
     tokens = jax.random.randint(jax.random.key(0), (2, 15), 0, cfg.vocab_size)
     _, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
     assert len(jax.tree.leaves(sown)) == cfg.n_layer and rank_loss_sum(sown) > 0
-    full = nnx.jit(lambda m, t: m(t))(model, tokens)
-    logits, cache = nnx.jit(lambda m, t, c: m.forward(t, cache=c))(
-        model, tokens[:, :5], model.init_cache(2)
-    )
-    outs = [logits]
-    step = nnx.jit(lambda m, t, c: m.step(t, c))
-    for t in range(5, 15):
-        step_logits, cache = step(model, tokens[:, t], cache)
-        outs.append(step_logits[:, None])
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL)
+    full = lm_logits(model, tokens)
+    decoded, _ = lm_prefill_then_decode(model, tokens, prefix=5, cache=model.init_cache(2))
+    np.testing.assert_allclose(decoded, full, **TOL)
     with pytest.raises(ValueError, match="start from model.init_cache"):
         _, no_branch_cache = model.forward(tokens[:, :5])
         model.step(tokens[:, 5], no_branch_cache)

@@ -36,3 +36,19 @@ def prefill_then_decode(mixer, u, *, prefix: int, cache=None):
 def random_inputs(b=2, l=19, d=32, seed=0, dtype=jnp.float32):
     """Random mixer inputs (b, l, d)."""
     return jax.random.normal(jax.random.key(seed), (b, l, d), dtype)
+
+
+lm_logits = nnx.jit(lambda model, tokens: model(tokens))
+_lm_forward = nnx.jit(lambda model, tokens, cache: model.forward(tokens, cache=cache))
+_lm_step = nnx.jit(lambda model, token, cache: model.step(token, cache))
+
+
+def lm_prefill_then_decode(model, tokens, *, prefix: int, cache=None):
+    """The LM's parallel mode over tokens[:, :prefix] (from `cache`), then one step per remaining
+    token: (logits (b, l, V), cache)."""
+    logits, cache = _lm_forward(model, tokens[:, :prefix], cache)
+    outs = [logits]
+    for t in range(prefix, tokens.shape[1]):
+        step_logits, cache = _lm_step(model, tokens[:, t], cache)
+        outs.append(step_logits[:, None])
+    return jnp.concatenate(outs, 1), cache
