@@ -1,39 +1,331 @@
-"""Trains a model: `python train.py [configs/<name>.py] [key=value ...]`.
+"""Trains a model: `python train.py [configs/<name>.py[:arg]] [key=value ...]`.
 
-The training loop (sharded, resumable, grain data, orbax checkpoints) is issue #4. Until it lands this
-entry point resolves the config exactly as training will, builds the model's shapes, and prints the plan.
+Sharded over a ("data", "seq", "tensor") mesh, on grain data, with orbax checkpoints of the state, the data
+iterator and the config. A rerun with the same workdir resumes exactly; SIGTERM saves and exits; a non-finite
+loss saves the last good state and stops. Metrics go to workdir/metrics.jsonl and TensorBoard events.
 """
 
+import functools
+import json
 import math
+import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from hax_jax import checkpoint, optim, sharding, training
 from hax_jax import config as config_lib
-from hax_jax.checkpoint import abstract_model
+from hax_jax.data import pipeline
+from hax_jax.layers.hax_attention import init_qk_from_bc
+from hax_jax.models.lm import LanguageModel
+from hax_jax.tensorboard import SummaryWriter
 
-DEFAULT_CONFIG = "configs/tiny.py"
+DEFAULT_CONFIG = "configs/main.py"
 
 
-def main(argv: list[str]) -> None:
-    """Resolves the config and prints what a run of it will train."""
-    path = argv[0] if argv and argv[0].endswith(".py") else DEFAULT_CONFIG
-    overrides = argv[1:] if argv and argv[0].endswith(".py") else argv
+def resolve_config(argv: list[str]) -> config_lib.Config:
+    """The config file (or the default) with the command line's key=value overrides applied."""
+    path = argv[0] if argv and "=" not in argv[0] else DEFAULT_CONFIG
+    overrides = argv[1:] if argv and "=" not in argv[0] else argv
     cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
-    params = nnx.state(abstract_model(cfg.model), nnx.Param)
-    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    print(f"config {path} with overrides {overrides or 'none'}:")
-    print(config_lib.to_dict(cfg))
-    print(
-        f"model: {cfg.model.n_layer} layers {cfg.model.mixer_kinds}, {count:,} parameters, "
-        f"devices: {jax.devices()}"
+    if not cfg.workdir:
+        name = Path(path.partition(".py")[0]).name + path.partition(".py")[2].replace(":", "_")
+        cfg = config_lib.apply_overrides(cfg, [f"workdir=runs/{name}"])
+    return cfg
+
+
+def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
+    """Fresh parameters, created directly in their shardings; then `init_from` loaded over them."""
+    params = jax.jit(
+        lambda: nnx.to_pure_dict(
+            nnx.state(LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param)
+        ),
+        out_shardings=shardings,
+    )()
+    if not cfg.train.init_from:
+        return params
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
     )
-    print(
-        "training (optax AdamW, grain data, orbax checkpoints, data/seq/tensor sharding) arrives with "
-        "issue #4; this run only checked the config and the model's shapes."
+    loaded = checkpoint.restore_params(cfg.train.init_from, target)
+    return _qk_from_bc(_overlay(params, loaded), loaded, cfg.model)
+
+
+def _qk_from_bc(params: dict, loaded: dict, model: config_lib.ModelConfig) -> dict:
+    """Mamba-1 layers given a new HAX branch: its q/k projection from x_proj's C / B (HAX App. D.2)."""
+    dt_rank = model.mamba.dt_rank or math.ceil(model.d_model / 16)
+    for key, layer in params["layers"].items():
+        mixer, had = layer["mixer"], loaded.get("layers", {}).get(key, {}).get("mixer", {})
+        if "x_proj" in mixer and "branch" in mixer and "branch" not in had:
+            mixer["branch"]["qk_proj"]["kernel"] = init_qk_from_bc(
+                mixer["x_proj"]["kernel"], dt_rank=dt_rank, d_state=model.mamba.d_state
+            )
+    return params
+
+
+def _overlay(base: dict, top: dict) -> dict:
+    """`base` with the leaves of `top` (a sub-tree of it) put in."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _overlay(base[key], value) if isinstance(value, dict) else value
+    return out
+
+
+def state_shardings(state_shape, param_shardings: dict, tx, mesh):
+    """Shardings of the TrainState: optimizer moments follow their parameters, scalars replicated."""
+    replicated = NamedSharding(mesh, P())
+    opt = optim.opt_state_shardings(tx, state_shape.opt_state, param_shardings, replicated)
+    return training.TrainState(
+        step=replicated, params=param_shardings, opt_state=opt, rng=replicated, healthy=replicated
     )
+
+
+def _model_inputs(cfg, batch: dict) -> dict:
+    """Drops seq_idx unless the task packs documents and the config passes their boundaries."""
+    packed = cfg.data.task in ("tokens", "text") and cfg.data.document_boundaries
+    return {k: v for k, v in batch.items() if k != "seq_idx" or packed}
+
+
+class Metrics:
+    """metrics.jsonl and TensorBoard events, written by process 0 only."""
+
+    def __init__(self, workdir: Path):
+        self.active = jax.process_index() == 0
+        if self.active:
+            self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
+            self.tensorboard = SummaryWriter(workdir / "tensorboard")
+
+    def write(self, step: int, values: dict) -> None:
+        """One JSON line and one scalar per value."""
+        if not self.active:
+            return
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+        for name, value in values.items():
+            self.tensorboard.scalar(name, value, step)
+        self.tensorboard.flush()
+
+
+def main(argv: list[str]) -> dict:
+    """Trains to train.num_steps (or until SIGTERM / a non-finite loss); returns the last metrics."""
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:  # multi-process: one per host (or per GPU)
+        jax.distributed.initialize()
+    cfg = resolve_config(argv)
+    workdir = Path(cfg.workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        return Trainer(cfg, workdir, mesh).run()
+
+
+class Trainer:
+    """Builds (or restores) the state and the data iterator, then runs the loop."""
+
+    def __init__(self, cfg: config_lib.Config, workdir: Path, mesh):
+        self.cfg, self.workdir, self.mesh = cfg, workdir, mesh
+        graphdef, abstract = nnx.split(checkpoint.abstract_model(cfg.model), nnx.Param)
+        param_sh = sharding.param_shardings_dict(abstract, mesh, self.rules)
+        tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
+        init = functools.partial(training.init_state, tx=tx, seed=cfg.seed)
+        shape = jax.eval_shape(init, nnx.to_pure_dict(abstract))
+        state_sh = state_shardings(shape, param_sh, tx, mesh)
+        self.manager = checkpoint.train_checkpointer(workdir, cfg.train.keep_checkpoints)
+        self.iterator = iter(pipeline.train_dataset(cfg, str(workdir)))
+        latest = self.manager.latest_step()
+        if latest is None:
+            self.state = jax.jit(init, out_shardings=state_sh)(init_params(cfg, graphdef, param_sh))
+            config_lib.save_json(cfg, workdir / "config.json")
+        else:  # resume exactly: the same model and data, the state and the iterator as saved
+            saved = checkpoint.saved_config(self.manager, latest)
+            checkpoint.check_resumable(saved, cfg, str(workdir))
+            target = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shape, state_sh
+            )
+            self.state, self.iterator = checkpoint.restore_train(
+                self.manager, latest, target, self.iterator
+            )
+        step = functools.partial(
+            training.train_step,
+            graphdef=graphdef,
+            tx=tx,
+            rank_loss_weight=cfg.model.sparse.rank_loss_weight,
+        )
+        self.step_fn = jax.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
+        self.eval_fn = jax.jit(functools.partial(training.eval_step, graphdef=graphdef))
+        self.lr = optim.learning_rate(cfg.optim, cfg.train.num_steps)
+        self.metrics = Metrics(workdir)
+        self.stop_requested = False
+
+    def batch(self, rows: dict) -> dict:
+        """Process-local numpy rows -> global arrays, batch over "data" and positions over "seq"."""
+        rows = _model_inputs(self.cfg, rows)
+        self.row_length = rows["inputs"].shape[1]
+        out = {}
+        for name, value in rows.items():
+            names = ("batch", "seq")[: value.ndim]
+            spec = sharding.logical_to_spec(names, value.shape, self.mesh, self.rules)
+            out[name] = jax.make_array_from_process_local_data(
+                NamedSharding(self.mesh, spec), value
+            )
+        return out
+
+    @property
+    def rules(self):
+        """The logical-to-mesh rules of this run."""
+        return sharding.rules(fsdp=self.cfg.mesh.fsdp)
+
+    def evaluate(self) -> dict:
+        """valid_accuracy (the paper's per-sample mean, averaged) and valid_loss over the valid split."""
+        totals = None
+        for rows in self.eval_rows:
+            sums = self.eval_fn(self.state.params, self.batch(rows))
+            totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+        totals = {k: _scalar(v) for k, v in totals.items()}
+        return {
+            "valid_accuracy": totals["accuracy_sum"] / max(totals["rows"], 1.0),
+            "valid_loss": totals["nll_sum"] / max(totals["tokens"], 1.0),
+        }
+
+    def save(self, step: int) -> None:
+        """A checkpoint at `step` unless one exists there already."""
+        if self.manager.latest_step() != step:
+            checkpoint.save_train(self.manager, step, self.state, self.iterator, self.cfg)
+
+    def run(self) -> dict:
+        """The loop: next batch -> dispatch step -> read the previous step's metrics -> eval / save."""
+        train = self.cfg.train
+        step = _scalar(self.state.step, int)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        last, pending = {}, None
+        self.window = (time.perf_counter(), step)  # tokens/s over the steps since the last log
+        with _progress(train.progress, step, train.num_steps) as bar:
+            while step < train.num_steps and not self.stop_requested:
+                self.state, step_metrics = self.step_fn(self.state, self.batch(next(self.iterator)))
+                step += 1
+                if pending is not None:
+                    last = self._read(*pending, bar)
+                pending = (step, step_metrics)
+                done = step == train.num_steps
+                if step % train.eval_every == 0 or done:
+                    last, pending = self._read(*pending, bar), None
+                    last = {**last, **self._evaluate_and_keep_best(step)}
+                    self.window = (time.perf_counter(), step)
+                if step % train.checkpoint_every == 0 or done:
+                    self.save(step)
+            if pending is not None:
+                last = self._read(*pending, bar)
+        if self.stop_requested:
+            print(f"SIGTERM: saving step {step} and stopping", file=sys.stderr)
+            self.save(step)
+        self.manager.wait_until_finished()
+        signal.signal(signal.SIGTERM, previous)
+        return last
+
+    def _read(self, step: int, step_metrics, bar) -> dict:
+        """Reads one step's metrics (waiting for it); logs them; stops on a non-finite loss."""
+        values = {k: _scalar(v) for k, v in step_metrics.items()}
+        if not np.isfinite(values["loss"]) or not np.isfinite(values["grad_norm"]):
+            good = _scalar(self.state.step, int)  # updates stopped at the last finite step
+            self.save(good)
+            self.manager.wait_until_finished()
+            raise FloatingPointError(
+                f"non-finite training loss {values['loss']} (grad norm {values['grad_norm']}) at "
+                f"step {step}; saved the last good state (step {good}) in {self.workdir}/checkpoints"
+            )
+        values["lr"] = float(self.lr(step - 1))
+        start, first = self.window
+        values["tokens_per_s"] = (
+            (step - first) * self.cfg.data.batch_size * self.row_length
+        ) / max(time.perf_counter() - start, 1e-9)
+        bar(step, values)
+        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.num_steps:
+            self.metrics.write(step, values)
+            self.window = (time.perf_counter(), step)
+        return values
+
+    def _evaluate_and_keep_best(self, step: int) -> dict:
+        """Validation metrics, logged, and the parameters kept in workdir/best when they are the best."""
+        values = self.evaluate()
+        self.metrics.write(step, values)
+        checkpoint.save_best(self.best, step, self.state.params, self.cfg, values)
+        return values
+
+    @functools.cached_property
+    def eval_rows(self) -> list[dict]:
+        """The validation batches, generated once (joint recall draws them by rejection: slow)."""
+        limit = self.cfg.data.joint_recall.eval_batches
+        return list(pipeline.eval_batches(self.cfg, str(self.workdir), "valid", limit))
+
+    @functools.cached_property
+    def best(self):
+        """The best-by-validation checkpoint manager."""
+        return checkpoint.best_checkpointer(self.workdir)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """Finish the current step, save, exit cleanly."""
+        self.stop_requested = True
+
+
+def _scalar(x, kind=float):
+    """A host number from a (replicated) device scalar, also when not fully addressable."""
+    return kind(np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x))
+
+
+class _progress:
+    """A rich progress bar with loss, accuracy, lr and tokens/s (on stderr; off when disabled)."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.enabled = enabled and jax.process_index() == 0
+        self.start, self.total = start, total
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console  # rich comes with flax
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=Console(stderr=True),
+            )
+            self.progress.__enter__()
+            self.task = self.progress.add_task(
+                "train", total=self.total, completed=self.start, info=""
+            )
+        return self
+
+    def __call__(self, step: int, values: dict) -> None:
+        """Moves the bar to `step` and shows the latest values."""
+        if self.enabled:
+            info = (
+                f"loss {values['loss']:.4f} acc {values['accuracy']:.3f} lr {values['lr']:.2e} "
+                f"{values['tokens_per_s']:,.0f} tok/s"
+            )
+            self.progress.update(self.task, completed=step, info=info)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.progress.__exit__(*exc)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError, FloatingPointError) as err:
+        sys.exit(f"error: {err}")

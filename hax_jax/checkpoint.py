@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import grain  # also registers grain's orbax handler for data iterators
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -64,3 +65,143 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> LanguageMo
         params = ckptr.restore(path / PARAMS_DIR, target)
     nnx.replace_by_pure_dict(abstract_state, params)
     return nnx.merge(graphdef, abstract_state)
+
+
+# ----------------------------------------------------------------------------- training runs
+# workdir/checkpoints/<step>/{state, data, config}: the TrainState, the data iterator (grain, one file per
+# process) and the resolved config. workdir/best/<step>/ keeps the parameters of the best validation score.
+
+
+def train_checkpointer(workdir: str | Path, keep: int) -> ocp.CheckpointManager:
+    """The manager of a run's checkpoints: the latest `keep`, written asynchronously."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(
+        Path(workdir).absolute() / "checkpoints", options=options, item_names=CHECKPOINT_ITEMS
+    )
+
+
+CHECKPOINT_ITEMS = ("state", "data", "config")
+
+
+def best_checkpointer(workdir: str | Path) -> ocp.CheckpointManager:
+    """The manager of the best parameters by validation accuracy (one kept)."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=1, best_fn=lambda metrics: metrics["valid_accuracy"], best_mode="max"
+    )
+    return ocp.CheckpointManager(
+        Path(workdir).absolute() / "best", options=options, item_names=("params", "config")
+    )
+
+
+def save_train(manager, step: int, state, iterator, cfg) -> None:
+    """Saves the state, the iterator's position and the config at `step` (async for the state)."""
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(iterator),
+            config=ocp.args.JsonSave(config_lib.to_dict(cfg)),
+        ),
+        force=True,
+    )
+
+
+def saved_config(manager, step: int) -> dict:
+    """The resolved config a checkpoint was written with."""
+    return manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+
+def check_resumable(saved: dict, cfg, where: str) -> None:
+    """Raises unless the checkpoint in `where` was written for the same model and data."""
+    current = config_lib.to_dict(cfg)
+    for section in ("model", "data"):
+        diffs = _diff(saved.get(section, {}), current[section], section)
+        if diffs:
+            raise ValueError(
+                f"{where} holds a checkpoint of another {section} config ("
+                + "; ".join(diffs[:8])
+                + "); use a new workdir or the same config"
+            )
+
+
+def _diff(old, new, prefix: str) -> list[str]:
+    """The dotted keys where two config dicts differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        return [d for k in keys for d in _diff(old.get(k), new.get(k), f"{prefix}.{k}")]
+    old = list(old) if isinstance(old, tuple) else old
+    new = list(new) if isinstance(new, tuple) else new
+    return [] if old == new else [f"{prefix}: checkpoint {old!r} vs now {new!r}"]
+
+
+def restore_train(manager, step: int, abstract_state, iterator):
+    """The state (placed as `abstract_state`'s shardings) and the iterator, both as saved at `step`."""
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(iterator),
+        ),
+    )
+    return restored["state"], restored["data"]
+
+
+def restore_params(path: str | Path, target: dict) -> dict:
+    """Parameters of a pretrained directory into `target` (abstract, with shardings).
+
+    Every parameter the checkpoint has must exist in `target` with the same shape; parameters only `target`
+    has (e.g. a HAX branch added to a released Mamba) keep their values from `target`'s init.
+    """
+    path = Path(path).absolute()
+    if not (path / PARAMS_DIR).exists():
+        raise FileNotFoundError(
+            f"init_from={str(path)!r} is not a hax_jax checkpoint: {PARAMS_DIR} is missing"
+        )
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(path / PARAMS_DIR)
+        meta = getattr(meta, "item_metadata", meta)
+        saved = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(meta)}
+        wanted = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(target)}
+        problems = [f"{k} is not in the model" for k in saved if k not in wanted] + [
+            f"{k} has shape {tuple(saved[k].shape)} there, {tuple(wanted[k].shape)} here"
+            for k in saved
+            if k in wanted and tuple(saved[k].shape) != tuple(wanted[k].shape)
+        ]
+        if problems:
+            raise ValueError(
+                f"init_from={str(path)!r} does not match the model: " + "; ".join(problems[:8])
+            )
+        partial = _keep_paths(target, set(saved))
+        return ckptr.restore(path / PARAMS_DIR, partial)
+
+
+def _path(path) -> str:
+    """"layers/0/mixer/A_log" for a tree path (a checkpoint's metadata has str keys, models int keys)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _keep_paths(tree: dict, keep: set[str], prefix=()) -> dict:
+    """The sub-dict of `tree` whose leaf paths (as keystr) are in `keep`."""
+    out = {}
+    for k, v in tree.items():
+        path = (*prefix, jax.tree_util.DictKey(k))
+        if isinstance(v, dict):
+            sub = _keep_paths(v, keep, path)
+            if sub:
+                out[k] = sub
+        elif _path(path) in keep:
+            out[k] = v
+    return out
+
+
+def save_best(manager, step: int, params: dict, cfg, metrics: dict) -> None:
+    """Offers the parameters at `step` to the best-by-validation manager (it keeps the best one)."""
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            config=ocp.args.JsonSave(config_lib.to_dict(cfg.model)),
+        ),
+        metrics=metrics,
+        force=True,
+    )

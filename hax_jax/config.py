@@ -194,11 +194,127 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class JointRecallConfig:
+    """Multi-query joint recall (HAX paper §3.2; the HAX code's generator; SPEC §4)."""
+
+    n_context: tuple[int, int] = (5, 16)  # contexts per example: uniform in [lo, hi]
+    n_key: tuple[int, int] = (5, 16)  # keys per context: uniform in [lo, hi]
+    n_value: int = 16  # |V|: values are tokens 10 .. 10 + n_value - 1
+    max_n_context: int = 16  # sets the token ranges and the padded length ...
+    max_n_key: int = 16  # ... (2 max_n_context)(2 max_n_key + 1) + 2 = 1058 by default
+    outer_levels: tuple[int, ...] = ()  # multi-level contexts (App. C): sizes of extra outer levels
+    train_size: int = 1_440_000  # the HAX code: 10000 per (n_context, n_key) pair, 144 pairs
+    valid_size: int = 14_400  # and 100 per pair for valid and test
+    eval_batches: int = 0  # validation batches per evaluation; 0 = the whole valid split
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MqarConfig:
+    """Multi-query associative recall, Zoology's harder variant (Mamba-2 paper §9.1)."""
+
+    num_kv_pairs: int = 64  # key-value pairs per sequence (the paper: seq_len / 4)
+    curriculum: tuple[int, ...] = ()  # kv-pair counts of successive stages, e.g. (8, 16, 32, 64)
+    stage_examples: int = 2**18  # examples per curriculum stage (the paper: 2^18) ...
+    stage_epochs: int = 8  # ... each seen this many times before the next stage
+    random_fill: bool = True  # fill non-kv/query positions with random tokens (the harder variant)
+    valid_size: int = 3_000  # validation examples (at num_kv_pairs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What the model trains and validates on (SPEC §4)."""
+
+    task: Literal["joint_recall", "mqar", "tokens", "text"] = "joint_recall"
+    batch_size: int = 64  # global batch (sequences per step, over all devices and processes)
+    seq_len: int = 1024  # mqar / tokens / text sequence length (joint recall: its padded length)
+    path: str = ""  # tokens: a .bin/.npy token file; text: a UTF-8 text file
+    valid_path: str = ""  # held-out file; "" = the last valid_fraction of `path`
+    valid_fraction: float = 0.01  # tokens / text without valid_path
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # raw .bin token files
+    eos_id: int = 0  # document separator in token files; seq_idx advances after it
+    document_boundaries: bool = (
+        True  # tokens / text: pass seq_idx (Mamba-1 and the branch take none)
+    )
+    tokenizer: str = (
+        ""  # text: a tokenizer directory (tokenizer.json); "" = train a BPE into workdir
+    )
+    seed: int = 0  # data order and generation
+    joint_recall: JointRecallConfig = JointRecallConfig()
+    mqar: MqarConfig = MqarConfig()
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size must be positive, got {self.batch_size}")
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
+        if not 0.0 < self.valid_fraction < 1.0:
+            raise ValueError(f"data.valid_fraction must be in (0, 1), got {self.valid_fraction}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """The device mesh ("data", "seq", "tensor"); at most one size may be -1 (= the devices left)."""
+
+    data: int = -1  # batch sharding
+    seq: int = 1  # sequence sharding of activations
+    tensor: int = 1  # d_inner / heads / vocab sharding
+    fsdp: bool = False  # also shard parameters' d_model axis over "data" (FSDP as a rule change)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with the paper schedules (SPEC §5)."""
+
+    schedule: Literal["warmup_constant", "warmup_cosine"] = "warmup_constant"
+    peak_lr: float = 2e-3  # joint recall: 2e-3
+    hold_steps: int = 0  # steps at lr 0 before the warmup (continual pre-training: 200)
+    warmup_steps: int = 5000  # linear warmup from 0 to peak_lr
+    end_lr: float = 1e-5  # warmup_cosine: the value at train.num_steps
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = (
+        0.01  # torch AdamW's default (the HAX trainer); never on A_log/D/dt_bias/norms/biases/E
+    )
+    clip_norm: float = 1.0  # global gradient-norm clip; 0 = off
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The loop: length, cadence, checkpoints."""
+
+    num_steps: int = 1000  # optimizer steps
+    log_every: int = 50  # training metrics to metrics.jsonl / TensorBoard
+    eval_every: int = 500  # validation (always also at the last step)
+    checkpoint_every: int = 500  # orbax checkpoint (always also at the last step)
+    keep_checkpoints: int = 3  # latest checkpoints kept (plus the best by validation)
+    init_from: str = (
+        ""  # a converted / pretrained checkpoint directory to start the parameters from
+    )
+    progress: bool = True  # a progress bar on stderr
+
+    def __post_init__(self):
+        for name in (
+            "num_steps",
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything a run needs; `configs/<name>.py` returns one from `get_config()`."""
 
     model: ModelConfig = ModelConfig()  # the network
-    seed: int = 0  # parameter init seed
+    data: DataConfig = DataConfig()  # the task and its batches
+    optim: OptimConfig = OptimConfig()  # AdamW and its schedule
+    train: TrainConfig = TrainConfig()  # the loop
+    mesh: MeshConfig = MeshConfig()  # the device layout
+    seed: int = 0  # parameter init and training rng seed
     workdir: str = ""  # where checkpoints and metrics go
 
 

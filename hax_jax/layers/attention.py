@@ -17,6 +17,7 @@ from flax import nnx
 from hax_jax.config import ModelConfig
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.rope import apply_rope
+from hax_jax.sharding import linear_axes
 
 CAPACITY = 4096  # default tokens a full-attention decode cache holds
 
@@ -75,15 +76,25 @@ class Attention(nnx.Module):
         self.scale = 1.0 / math.sqrt(hd)
         self.kind = "attention" if window is None else "swa"
 
-        def linear(i, o, bias, scale=1.0):
+        def linear(i, o, axes, bias, scale=1.0):
             init = torch_linear_init(i, scale)
-            return nnx.Linear(i, o, use_bias=bias, dtype=self.dtype, kernel_init=init, rngs=rngs)
+            return nnx.Linear(
+                i,
+                o,
+                use_bias=bias,
+                dtype=self.dtype,
+                kernel_init=init,
+                rngs=rngs,
+                **linear_axes(*axes),
+            )
 
-        self.q_proj = linear(d, h * hd, a.qkv_bias)
-        self.k_proj = linear(d, h * hd, a.qkv_bias)
-        self.v_proj = linear(d, h * hd, a.qkv_bias)
+        # Heads split over "tensor" (the flattened h * head_dim axis, head-aligned when the tensor
+        # size divides n_heads); one all-reduce after o_proj.
+        self.q_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
+        self.k_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
+        self.v_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
         # Scaled by 1/sqrt(n_layer), as mamba's out_proj (rescale_prenorm_residual).
-        self.o_proj = linear(h * hd, d, False, scale=1 / math.sqrt(cfg.n_layer))
+        self.o_proj = linear(h * hd, d, ("heads", "embed"), False, scale=1 / math.sqrt(cfg.n_layer))
 
     def init_cache(self, batch: int, capacity: int = CAPACITY) -> KVCache:
         """The empty cache: `capacity` slots for full attention, window - 1 for a sliding window."""
@@ -124,7 +135,7 @@ class Attention(nnx.Module):
 
     def _full(self, q, k, v, cache: KVCache | None):
         """Full causal attention of the new tokens over the cached ones and themselves."""
-        b, l = q.shape[:2]
+        l = q.shape[1]
         i = jnp.arange(l)[:, None]
         if cache is None:  # training / first prefill: keys are just these l tokens
             o = attend(q, k, v, i >= jnp.arange(l)[None], self.scale)

@@ -26,8 +26,15 @@ class CausalConv1d(nnx.Module):
 
     def __init__(self, channels: int, width: int, *, use_bias: bool = True, rngs: nnx.Rngs):
         init = torch_linear_init(width)  # torch Conv1d with groups=channels: fan_in = width
-        self.kernel = nnx.Param(init(rngs.params(), (width, channels)))
-        self.bias = nnx.Param(init(rngs.params(), (channels,))) if use_bias else None
+        # Depthwise: channels split over "tensor" need no communication; taps are never split.
+        self.kernel = nnx.Param(
+            init(rngs.params(), (width, channels)), logical_axes=(None, "inner")
+        )
+        self.bias = (
+            nnx.Param(init(rngs.params(), (channels,)), logical_axes=("inner",))
+            if use_bias
+            else None
+        )
         self.width = width
 
     def init_state(self, batch: int, dtype) -> jax.Array:

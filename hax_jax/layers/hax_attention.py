@@ -15,6 +15,7 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers.conv import torch_linear_init
+from hax_jax.sharding import linear_axes
 from pallas_kernels.sparse_attention import (
     SparseAttentionCache,
     init_cache,
@@ -64,15 +65,21 @@ class KeyScorer(nnx.Module):
     """s_j = MLP([k_j, normalize(sum_{p<=j} q_p)]): 2N -> 2N -> 2N -> 1 with ReLU (paper §4.2)."""
 
     def __init__(self, d_state: int, *, rngs: nnx.Rngs):
-        def linear(i, o):
+        def linear(i, o, out_axis="state"):
             return nnx.Linear(
-                i, o, kernel_init=torch_linear_init(i), bias_init=torch_linear_init(i), rngs=rngs
+                i,
+                o,
+                kernel_init=torch_linear_init(i),
+                bias_init=torch_linear_init(i),
+                rngs=rngs,
+                **linear_axes("state", out_axis),
             )
 
+        # Small (2N wide): replicated.
         self.fc1, self.fc2, self.fc3 = (
             linear(2 * d_state, 2 * d_state),
             linear(2 * d_state, 2 * d_state),
-            linear(2 * d_state, 1),
+            linear(2 * d_state, 1, None),
         )
 
     def __call__(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
@@ -91,6 +98,7 @@ class HaxBranch(nnx.Module):
         self.cfg, self.d_state, self.d_inner = s, d_state, d_inner
         self.components = tuple(s.pattern.split("+"))
         self.keys_per_component = s.num_keys // len(self.components)
+        # q/k contract the split d_inner: one more all-reduce under tensor parallelism (SPEC §3).
         self.qk_proj = nnx.Linear(
             d_inner,
             2 * d_state,
@@ -98,8 +106,9 @@ class HaxBranch(nnx.Module):
             dtype=jnp.dtype(cfg.dtype),
             kernel_init=torch_linear_init(d_inner),
             rngs=rngs,
+            **linear_axes("inner", "state"),
         )
-        self.E = nnx.Param(jnp.ones((d_inner,), jnp.float32))
+        self.E = nnx.Param(jnp.ones((d_inner,), jnp.float32), logical_axes=("inner",))
         self.scorer = KeyScorer(d_state, rngs=rngs) if "ks" in self.components else None
 
     def _qk(self, x: jax.Array):

@@ -32,6 +32,7 @@ from hax_jax.config import ModelConfig
 from hax_jax.layers.attention import attend
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.rope import apply_rope
+from hax_jax.sharding import linear_axes
 
 EPS = 1e-6  # the retrieval denominator's guard (see the module docstring)
 
@@ -84,13 +85,27 @@ class InfiniAttention(nnx.Module):
         self.n_heads, self.head_dim, self.seg, self.rule = h, hd, c.segment_len, c.update
         self.theta, self.scale, self.dtype = c.rope_theta, 1.0 / math.sqrt(hd), jnp.dtype(cfg.dtype)
 
-        def linear(i, o, scale=1.0):
+        def linear(i, o, axes, scale=1.0):
             init = torch_linear_init(i, scale)
-            return nnx.Linear(i, o, use_bias=False, dtype=self.dtype, kernel_init=init, rngs=rngs)
+            return nnx.Linear(
+                i,
+                o,
+                use_bias=False,
+                dtype=self.dtype,
+                kernel_init=init,
+                rngs=rngs,
+                **linear_axes(*axes),
+            )
 
-        self.q_proj, self.k_proj, self.v_proj = (linear(d, h * hd) for _ in range(3))
-        self.o_proj = linear(h * hd, d, scale=1 / math.sqrt(cfg.n_layer))  # as mamba's out_proj
-        self.beta = nnx.Param(jnp.zeros((h,), jnp.float32))  # gate logit per head: starts at 1/2
+        # Heads split over "tensor", as attention; memories are per head, so no communication
+        # before o_proj's all-reduce.
+        self.q_proj, self.k_proj, self.v_proj = (
+            linear(d, h * hd, ("embed", "heads")) for _ in range(3)
+        )
+        # scaled as mamba's out_proj
+        self.o_proj = linear(h * hd, d, ("heads", "embed"), scale=1 / math.sqrt(cfg.n_layer))
+        # gate logit per head: starts at 1/2
+        self.beta = nnx.Param(jnp.zeros((h,), jnp.float32), logical_axes=("heads",))
 
     def init_cache(self, batch: int) -> InfiniCache:
         """Empty memory, empty segment, position 0."""

@@ -10,6 +10,7 @@ from flax import nnx
 from hax_jax.config import ModelConfig
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
+from hax_jax.sharding import linear_axes
 from pallas_kernels.selective_scan import selective_scan
 
 
@@ -53,16 +54,23 @@ class MambaMixer(nnx.Module):
         self.d_inner, self.d_state, self.dt_rank, self.dtype = e, n, r, dtype
         self.scan_impl = m.scan_impl
 
-        def linear(i, o, *, bias, **kw):
+        def linear(i, o, axes, *, bias, **kw):
             kw.setdefault("kernel_init", torch_linear_init(i))
-            return nnx.Linear(i, o, use_bias=bias, dtype=dtype, rngs=rngs, **kw)
+            return nnx.Linear(
+                i, o, use_bias=bias, dtype=dtype, rngs=rngs, **linear_axes(*axes), **kw
+            )
 
-        self.in_proj = linear(d, 2 * e, bias=m.bias)
+        # Tensor parallelism (Mamba-2 paper §8.1 for Mamba-1): d_inner is split. in_proj's fused
+        # [x | z] output is split as one axis, so shards hold parts of x or z, and the split into x and
+        # z reshards (not communication-free). x_proj contracts the split d_inner (an all-reduce) and
+        # out_proj too (the block's all-reduce).
+        self.in_proj = linear(d, 2 * e, ("embed", "inner"), bias=m.bias)
         self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
-        self.x_proj = linear(e, r + 2 * n, bias=False)
+        self.x_proj = linear(e, r + 2 * n, ("inner", "state"), bias=False)
         self.dt_proj = linear(
             r,
             e,
+            ("state", "inner"),
             bias=True,
             kernel_init=torch_linear_init(
                 1, scale=m.dt_scale / math.sqrt(r)
@@ -70,11 +78,18 @@ class MambaMixer(nnx.Module):
             bias_init=dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor),
         )
         # S4D-real init: A = -(1..N) for every channel, stored as log.
-        self.A_log = nnx.Param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))))
-        self.D = nnx.Param(jnp.ones((e,), jnp.float32))
+        self.A_log = nnx.Param(
+            jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))),
+            logical_axes=("inner", "state"),
+        )
+        self.D = nnx.Param(jnp.ones((e,), jnp.float32), logical_axes=("inner",))
         # mamba_ssm rescales out_proj by 1/sqrt(n_layer) (rescale_prenorm_residual).
         self.out_proj = linear(
-            e, d, bias=m.bias, kernel_init=torch_linear_init(e, 1 / math.sqrt(cfg.n_layer))
+            e,
+            d,
+            ("inner", "embed"),
+            bias=m.bias,
+            kernel_init=torch_linear_init(e, 1 / math.sqrt(cfg.n_layer)),
         )
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 

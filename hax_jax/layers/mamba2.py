@@ -12,6 +12,7 @@ from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import SparseAttentionCache
 from hax_jax.layers.mamba import dt_bias_init, sparse_branch
 from hax_jax.layers.norms import GatedRMSNorm
+from hax_jax.sharding import linear_axes
 from pallas_kernels.ssd import ssd
 
 
@@ -42,22 +43,37 @@ class Mamba2Mixer(nnx.Module):
             m.dt_limit,
         )
 
-        def linear(i, o, scale=1.0):
+        def linear(i, o, axes, scale=1.0):
             init = torch_linear_init(i, scale)
-            return nnx.Linear(i, o, use_bias=m.bias, dtype=dtype, kernel_init=init, rngs=rngs)
+            return nnx.Linear(
+                i,
+                o,
+                use_bias=m.bias,
+                dtype=dtype,
+                kernel_init=init,
+                rngs=rngs,
+                **linear_axes(*axes),
+            )
 
-        self.in_proj = linear(d, 2 * e + 2 * g * n + h)
+        # Tensor parallelism (Mamba-2 paper §8.1): heads are split. The fused in_proj output
+        # [z | xBC | dt] and the conv's [x | B | C] are split as one axis each, so their slices
+        # (and B, C, which every head needs) reshard: not communication-free, unlike the paper's
+        # per-shard layout. out_proj contracts the split d_inner: the block's all-reduce.
+        self.in_proj = linear(d, 2 * e + 2 * g * n + h, ("embed", "inner"))
         self.conv1d = CausalConv1d(self.conv_dim, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
         self.dt_bias = nnx.Param(
-            dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,))
+            dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,)),
+            logical_axes=("heads",),
         )
         lo, hi = m.A_init_range
         self.A_log = nnx.Param(
-            jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, lo, hi))
+            jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, lo, hi)),
+            logical_axes=("heads",),
         )
-        self.D = nnx.Param(jnp.ones((h,), jnp.float32))
+        self.D = nnx.Param(jnp.ones((h,), jnp.float32), logical_axes=("heads",))
         self.norm = GatedRMSNorm(e, group_size=e // g, eps=cfg.norm_eps)
-        self.out_proj = linear(e, d, scale=1 / math.sqrt(cfg.n_layer))  # rescale_prenorm_residual
+        # rescale_prenorm_residual
+        self.out_proj = linear(e, d, ("inner", "embed"), scale=1 / math.sqrt(cfg.n_layer))
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
     def init_cache(self, batch: int) -> Mamba2Cache:

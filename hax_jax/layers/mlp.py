@@ -9,6 +9,7 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers.conv import torch_linear_init
+from hax_jax.sharding import linear_axes
 
 
 class MlpCache(NamedTuple):
@@ -29,13 +30,23 @@ class SwiGLU(nnx.Module):
         d, f = cfg.d_model, mlp_hidden_dim(cfg)
         self.dtype = jnp.dtype(cfg.dtype)
 
-        def linear(i, o, scale=1.0):
+        def linear(i, o, axes, scale=1.0):
             init = torch_linear_init(i, scale)
-            return nnx.Linear(i, o, use_bias=False, dtype=self.dtype, kernel_init=init, rngs=rngs)
+            return nnx.Linear(
+                i,
+                o,
+                use_bias=False,
+                dtype=self.dtype,
+                kernel_init=init,
+                rngs=rngs,
+                **linear_axes(*axes),
+            )
 
-        self.gate_proj = linear(d, f)
-        self.up_proj = linear(d, f)
-        self.down_proj = linear(f, d, scale=1 / math.sqrt(cfg.n_layer))  # as mamba's out_proj
+        # Megatron layout: d_ff split over "tensor", one all-reduce after down_proj.
+        self.gate_proj = linear(d, f, ("embed", "mlp"))
+        self.up_proj = linear(d, f, ("embed", "mlp"))
+        # scaled as mamba's out_proj
+        self.down_proj = linear(f, d, ("mlp", "embed"), scale=1 / math.sqrt(cfg.n_layer))
 
     def init_cache(self, batch: int) -> MlpCache:
         """The (empty) cache."""

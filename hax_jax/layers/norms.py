@@ -8,8 +8,8 @@ from flax import nnx
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis, computed in fp32, returned in the input dtype."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+    def __init__(self, dim: int, *, eps: float = 1e-5, axis: str = "embed"):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -27,7 +27,9 @@ class GatedRMSNorm(nnx.Module):
             raise ValueError(
                 f"GatedRMSNorm: dim={dim} must be a multiple of group_size={group_size}"
             )
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        # Split over "tensor" with the heads; a group wider than one shard's channels makes its
+        # mean square an all-reduce (free when the groups align with the shards, as in §8.1).
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("inner",))
         self.group_size = group_size
         self.eps = eps
 

@@ -8,6 +8,7 @@ from flax import nnx
 from hax_jax.config import ModelConfig
 from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
+from hax_jax.sharding import linear_axes, shard
 
 
 def rank_loss_sum(intermediates) -> jax.Array:
@@ -28,6 +29,7 @@ class LanguageModel(nnx.Module):
             cfg.d_model,
             dtype=jnp.dtype(cfg.dtype),
             embedding_init=nnx.initializers.normal(0.02),
+            embedding_metadata={"logical_axes": ("vocab", "embed")},
             rngs=rngs,
         )
         self.layers = nnx.List([ResidualBlock(kind, cfg, rngs=rngs) for kind in cfg.mixer_kinds])
@@ -41,6 +43,7 @@ class LanguageModel(nnx.Module):
                 use_bias=False,
                 dtype=jnp.dtype(cfg.dtype),
                 rngs=rngs,
+                **linear_axes("embed", "vocab"),
             )
         )
 
@@ -64,7 +67,8 @@ class LanguageModel(nnx.Module):
         Used for training (cache ignored), prefill and chunked prefill.
         """
         self._check_tokens(tokens, ndim=2)
-        x = self._embed(tokens)
+        # Block boundaries carry the residual stream as (batch, seq, embed) under the current mesh.
+        x = shard(self._embed(tokens), "batch", "seq", "embed")
         rngs = (
             [None] * len(self.layers)
             if rng is None
@@ -74,8 +78,9 @@ class LanguageModel(nnx.Module):
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
             x, layer_cache = layer(x, cache=layer_cache, seq_idx=seq_idx, mask=mask, rng=rngs[i])
+            x = shard(x, "batch", "seq", "embed")
             caches.append(layer_cache)
-        return self._logits(x), tuple(caches)
+        return shard(self._logits(x), "batch", "seq", "vocab"), tuple(caches)
 
     def step(self, tokens: jax.Array, cache: tuple):
         """Recurrent mode, one token per row: tokens (b,) -> (logits (b, V), cache)."""

@@ -117,3 +117,74 @@ def test_bad_arguments():
         jr.JointRecallSource("train", 3, n_key=(5, 17))
     with pytest.raises(IndexError, match="index 3 out of range"):
         jr.JointRecallSource("train", 3)[3]
+
+
+def test_three_level_layout_matches_a_hand_written_example():
+    # outer_levels=(2,), 2 contexts x 2 keys, max 2 x 2: keys 26, 27; contexts 28, 29; outer 30, 31.
+    table = [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]  # table[outer][context][key]: values 11 .. 18
+    orders = [[1, 0], [[0, 1], [1, 0]], [[[0, 1], [1, 0]], [[1, 0], [0, 1]]]]
+    inquiry_orders = [[0, 1], [[1, 0], [0, 1]], [[[1, 0], [0, 1]], [[0, 1], [1, 0]]]]
+    tokens, mask = jr.layout_levels(
+        table, orders, inquiry_orders, max_n_context=2, max_n_key=2, outer_levels=(2,)
+    )
+    # fmt: off
+    expected = [
+        1,
+        31, 29, 26, 17, 27, 18, 28, 27, 16, 26, 15,  # outer 1: context 1 (keys 0, 1), 0 (keys 1, 0)
+        30, 28, 26, 11, 27, 12, 29, 27, 14, 26, 13,  # outer 0: context 0 (keys 0, 1), 1 (keys 1, 0)
+        4,
+        30, 29, 26, 13, 27, 14, 28, 27, 12, 26, 11,  # inquiry: outer 0, context 1 then 0
+        31, 28, 26, 15, 27, 16, 29, 27, 18, 26, 17,  # inquiry: outer 1, context 0 then 1
+    ]
+    # fmt: on
+    assert jr.padded_length(2, 2, (2,)) == len(expected) == 46
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_array_equal(np.flatnonzero(mask), [26, 28, 31, 33, 37, 39, 42, 44])
+
+
+def test_multi_level_examples_ask_every_entry_and_fit_the_vocab():
+    src = jr.JointRecallSource(
+        "train", 20, seed=2, n_context=(2, 4), n_key=(2, 3), max_n_context=4, max_n_key=3,
+        outer_levels=(2, 3),
+    )  # fmt: skip
+    length = jr.padded_length(4, 3, (2, 3))
+    assert length == 2 * (2 * (1 + 3 * (1 + 4 * (1 + 2 * 3)))) + 2
+    outer_bases = jr.level_bases(16, 4, 3, (2, 3))[:2]
+    assert outer_bases == (33, 35)  # contexts 29..32, then 2 outer-0 tokens, then 3 outer-1 tokens
+    for i in range(20):
+        tokens, mask = src[i]["tokens"], src[i]["mask"]
+        assert tokens.shape == (length,)
+        sep = int(np.flatnonzero(tokens == jr.SEP)[0])
+        info, inquiry = tokens[1:sep], tokens[sep + 1 :][tokens[sep + 1 :] != jr.PAD]
+        assert sorted(info) == sorted(inquiry)  # the inquiry re-asks exactly the information part
+        n_context = np.sum((info >= 29) & (info <= 32)) // 6  # each context appears in 2 x 3 blocks
+        n_keys = np.sum((info >= 26) & (info <= 28))
+        assert mask.sum() == n_keys and n_keys % (6 * n_context) == 0
+        assert np.sum(info == 33) == 1 and np.sum((info >= 35) & (info <= 37)) == 2 * 3
+        assert tokens.max() < 100
+    # Orders differ between the parts at every level (the inquiry re-permutes each one).
+    first = [src[i]["tokens"] for i in range(20)]
+    assert any(not np.array_equal(t[1 : len(t) // 2], t[len(t) // 2 + 1 :]) for t in first)
+
+
+def test_vocab_bound_names_the_values():
+    jr.JointRecallSource("train", 3, outer_levels=(30, 12))  # tokens up to 99: fits in 100
+    with pytest.raises(ValueError, match=r"reach 100 .*outer_levels=\(30, 13\); vocab_size=100"):
+        jr.JointRecallSource("train", 3, outer_levels=(30, 13))
+    with pytest.raises(ValueError, match="vocab_size=50 is too small"):
+        jr.JointRecallSource("train", 3, vocab_size=50)
+
+
+def test_next_token_schema_source():
+    raw = jr.JointRecallSource("valid", 4, seed=5)
+    schema = jr.JointRecallSource("valid", 4, seed=5, next_token=True)
+    tokens = np.stack([raw[i]["tokens"] for i in range(4)])
+    mask = np.stack([raw[i]["mask"] for i in range(4)])
+    inputs, labels, loss_mask, real = jr.next_token_batch(tokens, mask)
+    rows = [schema[i] for i in range(4)]
+    assert set(rows[0]) == {"inputs", "labels", "loss_mask", "real", "seq_idx"}
+    for name, want in (("inputs", inputs), ("labels", labels), ("loss_mask", loss_mask)):
+        np.testing.assert_array_equal(np.stack([r[name] for r in rows]), want.astype(np.int32))
+    np.testing.assert_array_equal(np.stack([r["real"] for r in rows]), real.astype(np.int32))
+    assert all(r["inputs"].dtype == np.int32 and r["inputs"].shape == (1057,) for r in rows)
+    assert all(not r["seq_idx"].any() for r in rows)

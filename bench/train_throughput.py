@@ -1,0 +1,129 @@
+"""Training throughput of train.py's jitted step: steps/s and tokens/s on the current device.
+
+    python bench/train_throughput.py [--cases jr_hax,lm_hax_130m] [--steps 20] [--write BENCHMARKS.md]
+
+Per case: train.Trainer builds the state and data exactly as `python train.py` would; one batch is fetched,
+the step is compiled and run once, then --steps steps run back to back on that batch (pure step time, data
+loading excluded), timed to the last result. `e2e` is train.py's own tokens/s (its metrics.jsonl) over a
+short real run with fresh batches every step, data generation and host transfer included.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train
+
+LM = ["data.batch_size=8", "data.seq_len=2048"]
+CASES = {
+    "jr_mamba2_hax": ["configs/joint_recall.py:mamba2,hax"],
+    "jr_mamba2_none": ["configs/joint_recall.py:mamba2,none"],
+    "jr_mamba_hax": ["configs/joint_recall.py:mamba,hax"],
+    "lm_mamba2_130m": ["configs/hax_130m.py", "model.sparse.pattern=", *LM],
+    "lm_hax_mamba2_130m": ["configs/hax_130m.py", *LM],
+}
+
+
+def token_file(directory: Path, vocab_size: int) -> str:
+    """A random token stream (uint32 .npy) for the LM cases."""
+    path = directory / "tokens.npy"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        np.save(path, rng.integers(1, vocab_size, 8 * 2048 * 64 + 1, dtype=np.uint32))
+    return str(path)
+
+
+def measure(name: str, steps: int, scratch: Path) -> dict:
+    """Pure-step and end-to-end throughput of one case."""
+    argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], "train.progress=false"]
+    if name.startswith("lm_"):
+        argv.append(f"data.path={token_file(scratch, 50277)}")
+    cfg = train.resolve_config([*argv, f"workdir={scratch / name}"])
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True)
+    mesh = train.sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        trainer = train.Trainer(cfg, workdir, mesh)
+        batch = trainer.batch(next(trainer.iterator))
+        state = trainer.state
+        start = time.perf_counter()
+        state, metrics = trainer.step_fn(state, batch)
+        jax.block_until_ready(metrics)
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = trainer.step_fn(state, batch)
+        jax.block_until_ready(metrics)
+        step_s = (time.perf_counter() - start) / steps
+        rows, length = batch["inputs"].shape
+    e2e_dir = scratch / f"{name}_e2e"
+    n = 3 * steps
+    train.main(
+        [
+            *argv,
+            f"workdir={e2e_dir}",
+            f"train.num_steps={n}",
+            f"train.log_every={steps}",
+            f"train.eval_every={n}",
+            "data.joint_recall.eval_batches=1",
+        ]
+    )
+    lines = [json.loads(x) for x in (e2e_dir / "metrics.jsonl").read_text().splitlines()]
+    e2e = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]  # the first window compiles
+    return {
+        "case": name,
+        "config": " ".join(CASES[name]),
+        "batch": f"{rows} x {length}",
+        "compile_s": compile_s,
+        "step_ms": 1e3 * step_s,
+        "steps_per_s": 1 / step_s,
+        "tokens_per_s": rows * length / step_s,
+        "e2e_tokens_per_s": float(np.mean(e2e)) if e2e else float("nan"),
+        "loss": float(metrics["loss"]),
+    }
+
+
+def main() -> None:
+    """Runs the cases, prints a markdown table, optionally appends it to a file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--write", default="")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    header = (
+        f"\n### train step throughput: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+        f"{platform.node()}\n\n| case | config | batch | compile s | step ms | steps/s | tokens/s "
+        "| e2e tokens/s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.cases.split(","):
+            r = measure(name, args.steps, Path(scratch))
+            rows.append(
+                f"| {r['case']} | `{r['config']}` | {r['batch']} | {r['compile_s']:.1f} | "
+                f"{r['step_ms']:.2f} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+                f"{r['e2e_tokens_per_s']:,.0f} |\n"
+            )
+            print(rows[-1], end="", flush=True)
+    table = header + "".join(rows)
+    print(table)
+    if args.write:
+        with open(args.write, "a") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

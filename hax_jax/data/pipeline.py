@@ -1,0 +1,173 @@
+"""The data pipeline: the task's source for a split, the training batches, the evaluation batches.
+
+Every source yields rows in one schema, int32 arrays of the model's length L: inputs, labels (the
+next tokens), loss_mask (where loss and accuracy count), real (0 = padding) and seq_idx (document
+index within the row). Batches stack rows to (rows, L). Evaluation batches also carry weight
+(rows,): 1 for real rows, 0 for the rows that pad the last batch (all-zero rows, real and loss_mask
+included), so per-row metrics such as the joint-recall accuracy average over real rows only.
+"""
+
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+
+from hax_jax.config import Config
+from hax_jax.data import joint_recall, mqar, text, tokens
+
+# Few threads and a short buffer: rows are cheap to make and a batch of 64 x 1057 is already 1.4 MB.
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
+
+
+def row_length(cfg: Config) -> int:
+    """L, the model's input length: joint recall's padded length - 1, else data.seq_len."""
+    if cfg.data.task == "joint_recall":
+        jr = cfg.data.joint_recall
+        return joint_recall.padded_length(jr.max_n_context, jr.max_n_key, jr.outer_levels) - 1
+    return cfg.data.seq_len
+
+
+def make_source(cfg: Config, split: str, workdir: str | Path):
+    """The random-access source of cfg.data.task for split: "train", "valid" (synthetic: "test")."""
+    data = cfg.data
+    vocab_size = cfg.model.vocab_size
+    if data.task == "joint_recall":
+        jr = data.joint_recall
+        return joint_recall.JointRecallSource(
+            split,
+            jr.train_size if split == "train" else jr.valid_size,
+            seed=data.seed,
+            n_context=jr.n_context,
+            n_key=jr.n_key,
+            n_value=jr.n_value,
+            max_n_context=jr.max_n_context,
+            max_n_key=jr.max_n_key,
+            outer_levels=jr.outer_levels,
+            vocab_size=vocab_size,
+            next_token=True,
+        )
+    if data.task == "mqar":
+        mq = data.mqar
+        args = {"seq_len": data.seq_len, "vocab_size": vocab_size, "random_fill": mq.random_fill}
+        if split == "train":
+            return mqar.MqarCurriculumSource(
+                stages=mq.curriculum or (mq.num_kv_pairs,),
+                stage_examples=mq.stage_examples,
+                stage_epochs=mq.stage_epochs,
+                seed=data.seed,
+                **args,
+            )
+        return mqar.MqarSource(
+            split, mq.valid_size, num_kv_pairs=mq.num_kv_pairs, seed=data.seed, **args
+        )
+    if data.task == "tokens":
+        path, valid_path, dtype = data.path, data.valid_path, data.token_dtype
+    else:  # text: tokenize once into workdir, then read it as a token file
+        path, valid_path = text_token_files(cfg, workdir)
+        dtype = "uint16"  # unused: .npy files carry their dtype
+    if not path:
+        raise ValueError(f"data.task={data.task!r} needs data.path")
+    return tokens.token_source(
+        path,
+        split,
+        seq_len=data.seq_len,
+        vocab_size=vocab_size,
+        eos_id=data.eos_id,
+        dtype=dtype,
+        valid_path=valid_path,
+        valid_fraction=data.valid_fraction,
+    )
+
+
+def text_token_files(cfg: Config, workdir: str | Path) -> tuple[str, str]:
+    """(train, valid) .npy token files of the text task, tokenized into workdir/tokens once.
+
+    With data.tokenizer = "", a BPE of model.vocab_size is trained on data.path into
+    workdir/tokenizer (once). The cache key covers the text file's path, size and mtime, the
+    tokenizer and eos_id.
+    """
+    data = cfg.data
+    if not data.path:
+        raise ValueError("data.task='text' needs data.path (a UTF-8 text file)")
+    tokenizer_dir = Path(data.tokenizer or Path(workdir) / "tokenizer")
+    if not data.tokenizer and not (tokenizer_dir / "tokenizer.json").is_file():
+        text.train_tokenizer([data.path], tokenizer_dir, cfg.model.vocab_size)
+    tokenizer = text.load_tokenizer(tokenizer_dir)
+    text.check_vocab(tokenizer, cfg.model.vocab_size)
+    vocab_key = (tokenizer_dir / "tokenizer.json").read_bytes()
+    out = []
+    for path in (data.path, data.valid_path):
+        if not path:
+            out.append("")
+            continue
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"text file {path!r} does not exist")
+        stat = Path(path).stat()
+        key = f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{data.eos_id}".encode()
+        digest = hashlib.blake2b(key + vocab_key, digest_size=8).hexdigest()
+        cached = Path(workdir) / "tokens" / f"{Path(path).stem}-{digest}.npy"
+        if not cached.is_file():
+            # Write then rename: a reader (another process) never sees half a file.
+            partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npy")
+            text.tokenize_file(path, tokenizer, partial, data.eos_id)
+            os.replace(partial, cached)
+        out.append(str(cached))
+    return out[0], out[1]
+
+
+def process_batch_size(batch_size: int) -> int:
+    """This process's share of the global batch; an error unless it divides evenly."""
+    count = jax.process_count()
+    if batch_size % count:
+        raise ValueError(
+            f"data.batch_size={batch_size} must be a multiple of jax.process_count()={count}"
+        )
+    return batch_size // count
+
+
+def train_dataset(cfg: Config, workdir: str | Path) -> grain.IterDataset:
+    """Endless training batches of this process, a checkpointable grain IterDataset.
+
+    source -> shuffle (not mqar: its curriculum order is the schedule) -> repeat -> every
+    process_count-th row from process_index -> batch -> iter. Iterator state = rows consumed, so
+    `get_state`/`set_state` (or grain.checkpoint.CheckpointSave/Restore) resume at the next batch.
+    """
+    rows = process_batch_size(cfg.data.batch_size)
+    ds = grain.MapDataset.source(make_source(cfg, "train", workdir))
+    if cfg.data.task != "mqar":
+        ds = ds.shuffle(seed=cfg.data.seed)  # a fresh permutation every epoch
+    ds = ds.repeat(None)
+    ds = ds[jax.process_index() :: jax.process_count()]
+    return ds.batch(rows, drop_remainder=True).to_iter_dataset(READ_OPTIONS)
+
+
+def eval_batches(cfg: Config, workdir: str | Path, split: str = "valid", max_batches: int = 0):
+    """This process's evaluation batches of `split`, in order, each example exactly once.
+
+    Global batch b holds examples [b B, (b + 1) B); process p takes its contiguous share of it. The
+    last batch is padded with weight-0 rows, so every process yields the same number of batches of
+    the same shape. max_batches > 0 stops after that many.
+    """
+    source = make_source(cfg, split, workdir)
+    batch_size, rows = cfg.data.batch_size, process_batch_size(cfg.data.batch_size)
+    n_batches = math.ceil(len(source) / batch_size)
+    if max_batches > 0:
+        n_batches = min(n_batches, max_batches)
+    first = jax.process_index() * rows
+    blank = {k: np.zeros_like(v) for k, v in source[0].items()}
+
+    def make_batch(b: int) -> dict[str, np.ndarray]:
+        """Global batch b's rows of this process, padded to `rows`."""
+        start = b * batch_size + first
+        examples = [source[i] for i in range(start, min(start + rows, len(source)))]
+        weight = np.zeros(rows, np.int32)
+        weight[: len(examples)] = 1
+        examples += [blank] * (rows - len(examples))
+        batch = {k: np.stack([e[k] for e in examples]) for k in blank}
+        return {**batch, "weight": weight}
+
+    yield from grain.MapDataset.range(n_batches).map(make_batch).to_iter_dataset(READ_OPTIONS)

@@ -1,0 +1,59 @@
+"""AdamW with the paper schedules, gradient clipping and the weight-decay mask (SPEC §5)."""
+
+import jax
+import optax
+
+from hax_jax.config import OptimConfig
+
+# Weight decay only on matrices: every `kernel` and the embedding. That leaves out A_log, D, dt_bias,
+# norm weights, biases, the HAX gate E and Infini's beta, as mamba_ssm's `_no_weight_decay` does.
+DECAYED_NAMES = ("kernel", "embedding")
+
+
+def learning_rate(cfg: OptimConfig, num_steps: int) -> optax.Schedule:
+    """hold_steps at 0, then a linear warmup to peak_lr, then constant or cosine down to end_lr."""
+    warm = optax.linear_schedule(0.0, cfg.peak_lr, max(cfg.warmup_steps, 1))
+    if cfg.schedule == "warmup_constant":
+        after = optax.constant_schedule(cfg.peak_lr)
+    else:
+        decay_steps = max(num_steps - cfg.hold_steps - cfg.warmup_steps, 1)
+        after = optax.cosine_decay_schedule(
+            cfg.peak_lr, decay_steps, alpha=cfg.end_lr / cfg.peak_lr
+        )
+    schedule = optax.join_schedules([warm, after], [cfg.warmup_steps])
+    if cfg.hold_steps == 0:
+        return schedule
+    return optax.join_schedules([optax.constant_schedule(0.0), schedule], [cfg.hold_steps])
+
+
+def decay_mask(params) -> dict:
+    """True for the parameters weight decay applies to (by leaf name)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in DECAYED_NAMES, params
+    )
+
+
+def make_optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransformation:
+    """Clip by global norm (when clip_norm > 0), then AdamW on the schedule with the decay mask."""
+    adamw = optax.adamw(
+        learning_rate(cfg, num_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    )
+    if cfg.clip_norm <= 0:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, opt_state_shape, param_shardings, other):
+    """Shardings of the optimizer state: moments shaped like a parameter follow it, the rest `other`."""
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        opt_state_shape,
+        param_shardings,
+        transform_non_params=lambda _: other,
+    )

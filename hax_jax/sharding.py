@@ -1,0 +1,203 @@
+"""Logical-axis sharding: the device mesh, one rules table, parameter shardings, activation constraints.
+
+Parameters carry a `logical_axes` metadata tuple (one logical name or None per axis), set where they
+are built (`kernel_metadata={"logical_axes": ...}` on nnx.Linear, `logical_axes=...` on a raw
+nnx.Param). The rules map logical names to mesh axes; FSDP is a rule change ("embed" -> "data").
+Activations are constrained with `shard(x, "batch", "seq", "embed")` at block boundaries only; GSPMD
+propagates the rest. `shard` reads the mesh set by `jax.set_mesh(mesh)` (the abstract mesh, also
+visible inside `jax.jit`) and does nothing when none is set, so single-device use is unchanged.
+"""
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from hax_jax.config import MeshConfig
+
+MESH_AXES = ("data", "seq", "tensor")
+
+# Logical name -> mesh axis (None = replicated). Tensor parallelism splits d_inner / heads / d_ff /
+# vocab; d_model ("embed") stays whole unless FSDP; SSM state, conv taps, dt rank and the scorer's
+# small widths ("state") are never split.
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "data"),  # activations: the batch
+    ("seq", "seq"),  # activations: the sequence
+    ("embed", None),  # d_model (FSDP: "data")
+    ("inner", "tensor"),  # Mamba d_inner (and fused projections built from it)
+    ("heads", "tensor"),  # attention / Mamba-2 heads (flattened heads x head_dim too)
+    ("mlp", "tensor"),  # SwiGLU d_ff
+    ("vocab", "tensor"),  # embedding rows / logits
+    ("state", None),  # d_state, dt rank, conv taps, scorer widths: small, replicated
+)
+FSDP_RULES = tuple((name, "data" if name == "embed" else axis) for name, axis in RULES)
+
+Rules = Sequence[tuple[str, str | None]]
+
+
+def rules(fsdp: bool = False) -> tuple[tuple[str, str | None], ...]:
+    """The rules table; with `fsdp`, parameters' d_model axis ("embed") is also split over "data"."""
+    return FSDP_RULES if fsdp else RULES
+
+
+def linear_axes(in_axis: str | None, out_axis: str | None) -> dict:
+    """nnx.Linear keyword arguments giving its kernel (in, out) and bias (out,) their logical axes."""
+    return {
+        "kernel_metadata": {"logical_axes": (in_axis, out_axis)},
+        "bias_metadata": {"logical_axes": (out_axis,)},
+    }
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """(data, seq, tensor) sizes for `n_devices`, with a -1 resolved; ValueError naming the values."""
+    sizes = {name: getattr(cfg, name) for name in MESH_AXES}
+    text = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    bad = [f"{k}={v}" for k, v in sizes.items() if v != -1 and v < 1]
+    if bad:
+        raise ValueError(f"mesh sizes must be positive or -1, got {', '.join(bad)} (mesh {text})")
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise ValueError(
+            f"at most one mesh size may be -1, got {', '.join(f'{k}=-1' for k in free)} (mesh {text})"
+        )
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if fixed > n_devices or n_devices % fixed:
+            raise ValueError(
+                f"mesh {text}: the fixed sizes' product {fixed} does not divide the "
+                f"{n_devices} available devices"
+            )
+        sizes[free[0]] = n_devices // fixed
+    elif fixed > n_devices:
+        raise ValueError(f"mesh {text} = {fixed} devices, but only {n_devices} are available")
+    elif fixed != n_devices and jax.process_count() > 1:
+        raise ValueError(
+            f"mesh {text} = {fixed} devices, but {n_devices} are available over "
+            f"{jax.process_count()} processes; a multi-process mesh must use all of them"
+        )
+    return tuple(sizes[name] for name in MESH_AXES)
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The ("data", "seq", "tensor") mesh over `devices` (default: all), with Auto axes.
+
+    A mesh smaller than the devices uses the first ones (e.g. data=seq=tensor=1: one device).
+
+    Auto axes let GSPMD place every intermediate (no `out_sharding=` on matmuls, unlike the Explicit
+    axes of `jax.make_mesh`).
+    """
+    devices = np.asarray(jax.devices() if devices is None else devices).reshape(-1)
+    shape = mesh_shape(cfg, devices.size)
+    devices = devices[: math.prod(shape)]
+    return Mesh(devices.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh | jax.sharding.AbstractMesh,
+    rules: Rules = RULES,
+) -> PartitionSpec:
+    """The PartitionSpec of an array `shape` whose axes have logical `names`.
+
+    An axis stays replicated when its name maps to no mesh axis, the mesh axis has size 1 or is
+    absent or already used by an earlier axis of this spec, or the axis size is not divisible by the
+    mesh axis size (odd fused widths, a batch of 1). Unknown names are errors.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} do not match the shape {tuple(shape)}")
+    table = dict(rules)
+    sizes = dict(mesh.shape)
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(names, shape):
+        if name is not None and name not in table:
+            raise ValueError(f"unknown logical axis {name!r}; the rules name {tuple(table)}")
+        axis = None if name is None else table[name]
+        if axis is None or axis in used or sizes.get(axis, 1) == 1 or size % sizes[axis]:
+            spec.append(None)
+            continue
+        used.add(axis)
+        spec.append(axis)
+    return PartitionSpec(*spec)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(state, mesh: Mesh, rules: Rules = RULES):
+    """NamedShardings for an nnx State (or a Module) of Params, abstract or concrete.
+
+    Returns the same State structure with each Variable holding its NamedSharding (as
+    `nnx.get_named_sharding` does), ready for `jax.device_put(state, shardings)` and jit shardings.
+    Every Variable must carry `logical_axes` metadata; else a ValueError names its path.
+    """
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state, nnx.Param)
+
+    def one(path, var):
+        if not _is_variable(var):
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} is not an nnx.Variable")
+        names = var.get_metadata().get("logical_axes")
+        where = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        if names is None:
+            raise ValueError(
+                f"parameter {where!r} (shape {var.shape}) has no logical_axes metadata"
+            )
+        if len(names) != len(var.shape):
+            raise ValueError(
+                f"parameter {where!r}: logical_axes {tuple(names)} do not match its shape {var.shape}"
+            )
+        return var.replace(NamedSharding(mesh, logical_to_spec(names, var.shape, mesh, rules)))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+def param_shardings_dict(state, mesh: Mesh, rules: Rules = RULES) -> dict:
+    """`param_shardings` as a pure dict (the layout of `nnx.to_pure_dict(state)`)."""
+    return nnx.to_pure_dict(param_shardings(state, mesh, rules))
+
+
+def logical_axes_dict(state) -> dict:
+    """The `logical_axes` of every Param, as a pure dict (None where a Variable has none)."""
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state, nnx.Param)
+    return nnx.to_pure_dict(state, lambda v: v.get_metadata().get("logical_axes"))
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def current_mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (also inside jit), or None when none is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def shard(x: jax.Array, *names: str | None, rules: Rules | None = None) -> jax.Array:
+    """Constrains x to the logical `names` (one per axis) under the current mesh; no-op without one.
+
+    Inside `jax.shard_map` the manual axes are left out (they are already split). The rules default
+    to RULES: activations never use "embed", so FSDP does not change them.
+    """
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    manual = {
+        name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Manual
+    }
+    table = [(n, None if a in manual else a) for n, a in (RULES if rules is None else rules)]
+    spec = logical_to_spec(names, x.shape, mesh, table)
+    if all(axis is None for axis in spec) and manual:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)

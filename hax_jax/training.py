@@ -1,0 +1,113 @@
+"""The pure parts of training: the state, the loss, one optimizer step, one evaluation step.
+
+Only pytrees of arrays cross `jit`: parameters travel as a pure dict and are merged with the model's static
+graphdef inside the step. I/O, logging and checkpoints live in train.py.
+"""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from hax_jax.models.lm import rank_loss_sum
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step updates; saved whole in every checkpoint."""
+
+    step: jax.Array  # int32 (): optimizer steps taken
+    params: dict  # fp32 parameters, nnx.to_pure_dict layout
+    opt_state: Any  # the optax state
+    rng: jax.Array  # uint32 key data; step t trains with fold_in(rng, t)
+    healthy: jax.Array  # bool (): False once a loss or gradient was not finite; no update after
+
+
+def init_state(params: dict, tx: optax.GradientTransformation, seed: int) -> TrainState:
+    """The state before the first step."""
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        rng=jax.random.key_data(jax.random.key(seed)),
+        healthy=jnp.ones((), bool),
+    )
+
+
+def per_sample_accuracy(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(accuracy of each row over its loss_mask positions, whether the row has any), both (b,)."""
+    mask = batch["loss_mask"].astype(bool)
+    hits = (jnp.argmax(logits, -1) == batch["labels"]) & mask
+    counts = mask.sum(-1)
+    return hits.sum(-1) / jnp.maximum(counts, 1), counts > 0
+
+
+def _token_nll(logits: jax.Array, batch: dict) -> jax.Array:
+    """Cross-entropy at every position (b, l), fp32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+
+
+def loss_fn(params: dict, graphdef, batch: dict, rng: jax.Array, rank_loss_weight: float):
+    """Task loss (mean NLL over loss_mask positions) + alpha * the layers' ranking losses."""
+    model = nnx.merge(graphdef, params)
+    logits, sown = nnx.capture(model, nnx.Intermediate)(
+        batch["inputs"],
+        seq_idx=batch.get("seq_idx"),
+        mask=batch["real"].astype(bool),
+        rng=rng,
+    )
+    mask = batch["loss_mask"].astype(jnp.float32)
+    task = jnp.sum(_token_nll(logits, batch) * mask) / jnp.maximum(mask.sum(), 1.0)
+    rank = rank_loss_sum(sown)
+    accuracy, has = per_sample_accuracy(logits, batch)
+    metrics = {
+        "task_loss": task,
+        "rank_loss": rank,
+        "accuracy": jnp.sum(accuracy * has) / jnp.maximum(has.sum(), 1),
+    }
+    return task + rank_loss_weight * rank, metrics
+
+
+def train_step(
+    state: TrainState,
+    batch: dict,
+    *,
+    graphdef,
+    tx: optax.GradientTransformation,
+    rank_loss_weight: float,
+):
+    """One AdamW step; a non-finite loss or gradient leaves the state as it was and unhealthy."""
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, metrics), grads = grad_fn(state.params, graphdef, batch, rng, rank_loss_weight)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    healthy = state.healthy & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(healthy, n, o), new, old)
+    new_state = state.replace(
+        step=state.step + healthy.astype(jnp.int32),
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        healthy=healthy,
+    )
+    return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}
+
+
+def eval_step(params: dict, batch: dict, *, graphdef) -> dict:
+    """Sums over the batch (rows with weight 0 are padding): accuracy, rows, NLL, tokens."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"], seq_idx=batch.get("seq_idx"), mask=batch["real"].astype(bool))
+    weight = batch["weight"].astype(jnp.float32)
+    accuracy, has = per_sample_accuracy(logits, batch)
+    rows = has * weight
+    mask = batch["loss_mask"].astype(jnp.float32) * weight[:, None]
+    return {
+        "accuracy_sum": jnp.sum(accuracy * rows),
+        "rows": jnp.sum(rows),
+        "nll_sum": jnp.sum(_token_nll(logits, batch) * mask),
+        "tokens": jnp.sum(mask),
+    }

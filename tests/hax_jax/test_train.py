@@ -1,0 +1,217 @@
+"""train.py end to end: exact resume, sharded == single device, NaN stop, SIGTERM, init_from, errors."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import hax_jax
+from hax_jax import config as config_lib
+
+ROOT = Path(__file__).parents[2]
+_spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train)
+
+# A few-second joint recall run: 2 x 2 tables (37 positions), d_model 32.
+SMALL = [
+    str(ROOT / "configs/main.py"),
+    "model.d_model=32",
+    "model.mamba2.headdim=16",
+    "model.mamba2.d_state=16",
+    "data.batch_size=8",
+    "data.joint_recall.max_n_context=2",
+    "data.joint_recall.max_n_key=2",
+    "data.joint_recall.n_context=(1,2)",
+    "data.joint_recall.n_key=(1,2)",
+    "data.joint_recall.valid_size=16",
+    "model.sparse.max_len=38",
+    "model.sparse.num_keys=8",
+    "train.progress=false",
+    "optim.warmup_steps=5",
+]
+# Every mixer kind in one model on MQAR rows of 32 positions (divisible by every mesh axis).
+ALL_KINDS = [
+    str(ROOT / "configs/tiny.py"),
+    "model.n_layer=6",
+    "model.block_pattern=mamba2,mamba,attention,swa,mlp,infini",
+    "model.d_model=32",
+    "model.vocab_size=64",
+    "model.mamba2.headdim=8",
+    "model.attention.window=8",
+    "model.infini.segment_len=8",
+    "data.task=mqar",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "data.mqar.num_kv_pairs=4",
+    "data.mqar.stage_examples=64",
+    "data.mqar.valid_size=8",
+    "train.progress=false",
+    "optim.warmup_steps=2",
+]
+
+
+def _losses(workdir: Path, key: str = "loss") -> dict[int, float]:
+    """step -> value of `key` in workdir/metrics.jsonl."""
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {m["step"]: m[key] for m in lines if key in m}
+
+
+def test_resume_continues_exactly(tmp_path):
+    cadence = ["train.log_every=1", "train.eval_every=20", "train.checkpoint_every=10"]
+    train.main([*SMALL, *cadence, f"workdir={tmp_path / 'straight'}", "train.num_steps=40"])
+    train.main([*SMALL, *cadence, f"workdir={tmp_path / 'resumed'}", "train.num_steps=20"])
+    assert max(_losses(tmp_path / "resumed")) == 20
+    train.main([*SMALL, *cadence, f"workdir={tmp_path / 'resumed'}", "train.num_steps=40"])
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    assert sorted(straight) == sorted(resumed) == list(range(1, 41))
+    np.testing.assert_allclose(
+        [resumed[s] for s in range(1, 41)], [straight[s] for s in range(1, 41)], rtol=0, atol=1e-6
+    )
+    # The losses change from step to step: a restarted (not resumed) iterator would show.
+    assert len({round(v, 6) for v in straight.values()}) > 30
+    assert _losses(tmp_path / "resumed", "valid_accuracy")[40] == pytest.approx(
+        _losses(tmp_path / "straight", "valid_accuracy")[40], abs=1e-6
+    )
+    assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _sharded_run(tmp_path, name, mesh, extra):
+    """Trains 3 steps at fp32 on the given mesh; returns the losses and the trainer's parameters."""
+    argv = [*ALL_KINDS, *extra, *mesh, "train.num_steps=3", "train.log_every=1"]
+    cfg = train.resolve_config([*argv, f"workdir={tmp_path / name}", "model.dtype=float32"])
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True)
+    with jax.set_mesh(mesh_ := train.sharding.make_mesh(cfg.mesh)):
+        trainer = train.Trainer(cfg, workdir, mesh_)
+        trainer.run()
+    return _losses(workdir), trainer.state.params
+
+
+def test_sharded_training_equals_one_device(tmp_path):
+    # One model holds every mixer kind; its mamba and mamba2 layers carry the HAX branch.
+    # (tests/hax_jax/test_sharding.py checks each kind alone, with and without the branch.)
+    assert jax.device_count() >= 8
+    extra = ["model.sparse.pattern=lsh+ks", "model.sparse.num_keys=8", "model.sparse.max_len=32"]
+    one, _ = _sharded_run(tmp_path, "one", ["mesh.data=1", "mesh.seq=1", "mesh.tensor=1"], extra)
+    many, params = _sharded_run(
+        tmp_path, "many", ["mesh.data=2", "mesh.seq=2", "mesh.tensor=2"], extra
+    )
+    assert sorted(one) == sorted(many) == [1, 2, 3]
+    np.testing.assert_allclose([many[s] for s in one], [one[s] for s in one], rtol=1e-4)
+    # Parameters really are split: the vocab over "tensor", d_inner over "tensor".
+    assert "tensor" in params["embedding"]["embedding"].sharding.spec
+    assert "tensor" in jax.tree.leaves(params["layers"][0]["mixer"]["in_proj"])[0].sharding.spec
+    assert len(params["embedding"]["embedding"].addressable_shards) == 8
+
+
+def test_nan_loss_stops_after_saving_the_last_good_state(tmp_path):
+    workdir = tmp_path / "nan"
+    argv = [*SMALL, f"workdir={workdir}", "train.num_steps=50", "train.log_every=1"]
+    with pytest.raises(FloatingPointError, match="non-finite training loss"):
+        train.main([*argv, "optim.peak_lr=1e30", "optim.warmup_steps=1", "optim.clip_norm=0"])
+    manager = hax_jax.checkpoint.train_checkpointer(workdir, 3)
+    step = manager.latest_step()
+    assert step is not None and step < 50
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))[
+        "state"
+    ]
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored["params"]))
+
+
+def test_sigterm_saves_and_resumes(tmp_path):
+    workdir = tmp_path / "term"
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, f"workdir={workdir}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    proc = subprocess.Popen([*cmd, "train.num_steps=100000", "train.log_every=1"], env=env)
+    metrics = workdir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert proc.poll() is None, "train.py exited before it was signalled"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    saved = hax_jax.checkpoint.train_checkpointer(workdir, 3).latest_step()
+    assert saved == max(_losses(workdir))
+
+
+def test_init_from_loads_the_pretrained_parameters(tmp_path):
+    base = config_lib.apply_overrides(
+        config_lib.load_config_file(SMALL[0]),
+        [o for o in SMALL[1:] if o.startswith("model.")] + ["model.sparse.pattern="],
+    ).model
+    pretrained = hax_jax.LanguageModel(base, rngs=nnx.Rngs(7))
+    hax_jax.save_pretrained(pretrained, tmp_path / "pre")
+    cfg = train.resolve_config(
+        [*SMALL, f"workdir={tmp_path / 'w'}", f"train.init_from={tmp_path / 'pre'}"]
+    )
+    mesh = train.sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        (tmp_path / "w").mkdir()
+        state = train.Trainer(cfg, tmp_path / "w", mesh).state
+    want = nnx.to_pure_dict(nnx.state(pretrained, nnx.Param))
+    np.testing.assert_array_equal(
+        state.params["layers"][0]["mixer"]["in_proj"]["kernel"],
+        want["layers"][0]["mixer"]["in_proj"]["kernel"],
+    )
+    assert "branch" in state.params["layers"][0]["mixer"]  # the HAX branch is new: kept at its init
+    with pytest.raises(
+        ValueError,
+        match=r"does not match the model: embedding/embedding has shape \(100, 32\) there, \(100, 64\)",
+    ):
+        train.main(
+            [
+                *SMALL,
+                f"workdir={tmp_path / 'x'}",
+                "model.d_model=64",
+                f"train.init_from={tmp_path / 'pre'}",
+            ]
+        )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.num_stepz=3", "unknown config key 'train.num_stepz'"),
+        ("train.num_steps=many", "config key 'train.num_steps' expects int, got 'many'"),
+        ("mesh.data=16", "mesh data=16 x seq=1 x tensor=1 = 16 devices, but only 8 are available"),
+    ],
+)
+def test_bad_command_lines_fail_naming_the_value(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        train.main([*SMALL, f"workdir={tmp_path}", override])
+
+
+def test_a_workdir_of_another_model_is_refused(tmp_path):
+    train.main([*SMALL, f"workdir={tmp_path}", "train.num_steps=2"])
+    with pytest.raises(ValueError, match=r"another model config \(model.d_model: checkpoint 32"):
+        train.main([*SMALL, f"workdir={tmp_path}", "train.num_steps=4", "model.d_model=64"])
+
+
+def test_init_from_a_mamba_starts_the_hax_qk_projection_from_b_and_c(tmp_path):
+    # HAX App. D.2: the query/key projection of the new branch starts as the SSM's C / B projections.
+    argv = [*SMALL, "model.block_pattern=mamba", "model.mamba.dt_rank=2"]
+    base = config_lib.apply_overrides(
+        config_lib.load_config_file(argv[0]),
+        [o for o in argv[1:] if o.startswith("model.")] + ["model.sparse.pattern="],
+    ).model
+    pretrained = hax_jax.LanguageModel(base, rngs=nnx.Rngs(3))
+    hax_jax.save_pretrained(pretrained, tmp_path / "pre")
+    cfg = train.resolve_config(
+        [*argv, f"workdir={tmp_path / 'w'}", f"train.init_from={tmp_path / 'pre'}"]
+    )
+    mesh = train.sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        (tmp_path / "w").mkdir()
+        mixer = train.Trainer(cfg, tmp_path / "w", mesh).state.params["layers"][1]["mixer"]
+    x_proj = np.asarray(pretrained.layers[1].mixer.x_proj.kernel[...])
+    n = base.mamba.d_state
+    qk = np.asarray(mixer["branch"]["qk_proj"]["kernel"])
+    np.testing.assert_array_equal(qk, np.concatenate([x_proj[:, 2 : 2 + n], x_proj[:, 2 + n :]], 1))
