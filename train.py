@@ -6,7 +6,6 @@ loss saves the last good state and stops. Metrics go to workdir/metrics.jsonl an
 """
 
 import functools
-import json
 import math
 import os
 import signal
@@ -24,8 +23,8 @@ from hax_jax import checkpoint, optim, sharding, training
 from hax_jax import config as config_lib
 from hax_jax.data import pipeline
 from hax_jax.layers.hax_attention import init_qk_from_bc
+from hax_jax.metrics import Metrics, ProgressBar
 from hax_jax.models.lm import LanguageModel
-from hax_jax.tensorboard import SummaryWriter
 
 DEFAULT_CONFIG = "configs/main.py"
 
@@ -93,26 +92,6 @@ def _model_inputs(cfg, batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k != "seq_idx" or packed}
 
 
-class Metrics:
-    """metrics.jsonl and TensorBoard events, written by process 0 only."""
-
-    def __init__(self, workdir: Path):
-        self.active = jax.process_index() == 0
-        if self.active:
-            self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
-            self.tensorboard = SummaryWriter(workdir / "tensorboard")
-
-    def write(self, step: int, values: dict) -> None:
-        """One JSON line and one scalar per value."""
-        if not self.active:
-            return
-        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
-        self.jsonl.flush()
-        for name, value in values.items():
-            self.tensorboard.scalar(name, value, step)
-        self.tensorboard.flush()
-
-
 def main(argv: list[str]) -> dict:
     """Trains to train.num_steps (or until SIGTERM / a non-finite loss); returns the last metrics."""
     if "JAX_COORDINATOR_ADDRESS" in os.environ:  # multi-process: one per host (or per GPU)
@@ -160,7 +139,7 @@ class Trainer:
         self.step_fn = jax.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
         self.eval_fn = jax.jit(functools.partial(training.eval_step, graphdef=graphdef))
         self.lr = optim.learning_rate(cfg.optim, cfg.train.num_steps)
-        self.metrics = Metrics(workdir)
+        self.metrics = Metrics(workdir, resumed_at=latest)
         self.stop_requested = False
 
     def batch(self, rows: dict) -> dict:
@@ -205,7 +184,7 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         last, pending = {}, None
         self.window = (time.perf_counter(), step)  # tokens/s over the steps since the last log
-        with _progress(train.progress, step, train.num_steps) as bar:
+        with ProgressBar(train.progress, step, train.num_steps) as bar:
             while step < train.num_steps and not self.stop_requested:
                 self.state, step_metrics = self.step_fn(self.state, self.batch(next(self.iterator)))
                 step += 1
@@ -276,52 +255,6 @@ class Trainer:
 def _scalar(x, kind=float):
     """A host number from a (replicated) device scalar, also when not fully addressable."""
     return kind(np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x))
-
-
-class _progress:
-    """A rich progress bar with loss, accuracy, lr and tokens/s (on stderr; off when disabled)."""
-
-    def __init__(self, enabled: bool, start: int, total: int):
-        self.enabled = enabled and jax.process_index() == 0
-        self.start, self.total = start, total
-
-    def __enter__(self):
-        if self.enabled:
-            from rich.console import Console  # rich comes with flax
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-                console=Console(stderr=True),
-            )
-            self.progress.__enter__()
-            self.task = self.progress.add_task(
-                "train", total=self.total, completed=self.start, info=""
-            )
-        return self
-
-    def __call__(self, step: int, values: dict) -> None:
-        """Moves the bar to `step` and shows the latest values."""
-        if self.enabled:
-            info = (
-                f"loss {values['loss']:.4f} acc {values['accuracy']:.3f} lr {values['lr']:.2e} "
-                f"{values['tokens_per_s']:,.0f} tok/s"
-            )
-            self.progress.update(self.task, completed=step, info=info)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.progress.__exit__(*exc)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""Run-time reporting for train.py: metrics.jsonl + TensorBoard events, and the progress bar."""
+
+import json
+from pathlib import Path
+
+import jax
+
+from hax_jax.tensorboard import SummaryWriter
+
+
+class Metrics:
+    """metrics.jsonl and TensorBoard events, written by process 0 only."""
+
+    def __init__(self, workdir: Path, resumed_at: int | None = None):
+        self.active = jax.process_index() == 0
+        if self.active:
+            path = workdir / "metrics.jsonl"
+            if resumed_at is not None and path.exists():  # drop what the resumed steps will redo
+                lines = path.read_text().splitlines(keepends=True)
+                path.write_text("".join(x for x in lines if json.loads(x)["step"] <= resumed_at))
+            self.jsonl = open(path, "a")  # noqa: SIM115
+            self.tensorboard = SummaryWriter(workdir / "tensorboard")
+
+    def write(self, step: int, values: dict) -> None:
+        """One JSON line and one scalar per value."""
+        if not self.active:
+            return
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+        for name, value in values.items():
+            self.tensorboard.scalar(name, value, step)
+        self.tensorboard.flush()
+
+
+class ProgressBar:
+    """A rich progress bar with loss, accuracy, lr and tokens/s (on stderr; off when disabled)."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.enabled = enabled and jax.process_index() == 0
+        self.start, self.total = start, total
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console  # rich comes with flax
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=Console(stderr=True),
+            )
+            self.progress.__enter__()
+            self.task = self.progress.add_task(
+                "train", total=self.total, completed=self.start, info=""
+            )
+        return self
+
+    def __call__(self, step: int, values: dict) -> None:
+        """Moves the bar to `step` and shows the latest values."""
+        if self.enabled:
+            info = (
+                f"loss {values['loss']:.4f} acc {values['accuracy']:.3f} lr {values['lr']:.2e} "
+                f"{values['tokens_per_s']:,.0f} tok/s"
+            )
+            self.progress.update(self.task, completed=step, info=info)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.progress.__exit__(*exc)
