@@ -85,7 +85,7 @@ def train_step(
     (loss, metrics), grads = grad_fn(state.params, graphdef, batch, rng, rank_loss_weight)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     healthy = state.healthy & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(healthy, n, o), new, old)
     new_state = state.replace(
