@@ -90,16 +90,40 @@ def test_resume_continues_exactly(tmp_path):
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def _trainer(argv: list[str], workdir: Path):
+    """A Trainer built as train.main builds it (state initialised or restored), not yet run."""
+    cfg = train.resolve_config([*argv, f"workdir={workdir}"])
+    workdir.mkdir(parents=True)
+    mesh = train.sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        return train.Trainer(cfg, workdir, mesh)
+
+
 def _sharded_run(tmp_path, name, mesh, extra):
     """Trains 3 steps at fp32 on the given mesh; returns the losses and the trainer's parameters."""
-    argv = [*ALL_KINDS, *extra, *mesh, "train.num_steps=3", "train.log_every=1"]
-    cfg = train.resolve_config([*argv, f"workdir={tmp_path / name}", "model.dtype=float32"])
-    workdir = Path(cfg.workdir)
-    workdir.mkdir(parents=True)
-    with jax.set_mesh(mesh_ := train.sharding.make_mesh(cfg.mesh)):
-        trainer = train.Trainer(cfg, workdir, mesh_)
+    argv = [
+        *ALL_KINDS,
+        *extra,
+        *mesh,
+        "train.num_steps=3",
+        "train.log_every=1",
+        "model.dtype=float32",
+    ]
+    trainer = _trainer(argv, tmp_path / name)
+    with jax.set_mesh(trainer.mesh):
         trainer.run()
-    return _losses(workdir), trainer.state.params
+    return _losses(tmp_path / name), trainer.state.params
+
+
+def _pretrained_without_branch(argv: list[str], path: Path, seed: int) -> hax_jax.LanguageModel:
+    """Saves (and returns) a model of argv's model config with no sparse branch, as a released one."""
+    cfg = config_lib.apply_overrides(
+        config_lib.load_config_file(argv[0]),
+        [o for o in argv[1:] if o.startswith("model.")] + ["model.sparse.pattern="],
+    )
+    model = hax_jax.LanguageModel(cfg.model, rngs=nnx.Rngs(seed))
+    hax_jax.save_pretrained(model, path)
+    return model
 
 
 @pytest.mark.skipif(
@@ -152,19 +176,8 @@ def test_sigterm_saves_and_resumes(tmp_path):
 
 
 def test_init_from_loads_the_pretrained_parameters(tmp_path):
-    base = config_lib.apply_overrides(
-        config_lib.load_config_file(SMALL[0]),
-        [o for o in SMALL[1:] if o.startswith("model.")] + ["model.sparse.pattern="],
-    ).model
-    pretrained = hax_jax.LanguageModel(base, rngs=nnx.Rngs(7))
-    hax_jax.save_pretrained(pretrained, tmp_path / "pre")
-    cfg = train.resolve_config(
-        [*SMALL, f"workdir={tmp_path / 'w'}", f"train.init_from={tmp_path / 'pre'}"]
-    )
-    mesh = train.sharding.make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
-        (tmp_path / "w").mkdir()
-        state = train.Trainer(cfg, tmp_path / "w", mesh).state
+    pretrained = _pretrained_without_branch(SMALL, tmp_path / "pre", seed=7)
+    state = _trainer([*SMALL, f"train.init_from={tmp_path / 'pre'}"], tmp_path / "w").state
     want = nnx.to_pure_dict(nnx.state(pretrained, nnx.Param))
     np.testing.assert_array_equal(
         state.params["layers"][0]["mixer"]["in_proj"]["kernel"],
@@ -190,7 +203,10 @@ def test_init_from_loads_the_pretrained_parameters(tmp_path):
     [
         ("train.num_stepz=3", "unknown config key 'train.num_stepz'"),
         ("train.num_steps=many", "config key 'train.num_steps' expects int, got 'many'"),
-        ("mesh.data=16", "mesh data=16 x seq=1 x tensor=1 = 16 devices, but only 8 are available"),
+        (
+            "mesh.data=64",
+            f"mesh data=64 x seq=1 x tensor=1 = 64 devices, but only {jax.device_count()} are",
+        ),
     ],
 )
 def test_bad_command_lines_fail_naming_the_value(tmp_path, override, message):
@@ -207,20 +223,10 @@ def test_a_workdir_of_another_model_is_refused(tmp_path):
 def test_init_from_a_mamba_starts_the_hax_qk_projection_from_b_and_c(tmp_path):
     # HAX App. D.2: the query/key projection of the new branch starts as the SSM's C / B projections.
     argv = [*SMALL, "model.block_pattern=mamba", "model.mamba.dt_rank=2"]
-    base = config_lib.apply_overrides(
-        config_lib.load_config_file(argv[0]),
-        [o for o in argv[1:] if o.startswith("model.")] + ["model.sparse.pattern="],
-    ).model
-    pretrained = hax_jax.LanguageModel(base, rngs=nnx.Rngs(3))
-    hax_jax.save_pretrained(pretrained, tmp_path / "pre")
-    cfg = train.resolve_config(
-        [*argv, f"workdir={tmp_path / 'w'}", f"train.init_from={tmp_path / 'pre'}"]
-    )
-    mesh = train.sharding.make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
-        (tmp_path / "w").mkdir()
-        mixer = train.Trainer(cfg, tmp_path / "w", mesh).state.params["layers"][1]["mixer"]
+    pretrained = _pretrained_without_branch(argv, tmp_path / "pre", seed=3)
+    trainer = _trainer([*argv, f"train.init_from={tmp_path / 'pre'}"], tmp_path / "w")
+    mixer = trainer.state.params["layers"][1]["mixer"]
     x_proj = np.asarray(pretrained.layers[1].mixer.x_proj.kernel[...])
-    n = base.mamba.d_state
+    n = pretrained.cfg.mamba.d_state
     qk = np.asarray(mixer["branch"]["qk_proj"]["kernel"])
     np.testing.assert_array_equal(qk, np.concatenate([x_proj[:, 2 : 2 + n], x_proj[:, 2 + n :]], 1))
