@@ -32,6 +32,7 @@ CASES = {
     "jr_mamba_hax": ["configs/joint_recall.py:mamba,hax"],
     "lm_mamba2_130m": ["configs/hax_130m.py", "model.sparse.pattern=", *LM],
     "lm_hax_mamba2_130m": ["configs/hax_130m.py", *LM],
+    "lm_mamba2_130m_b1": ["configs/hax_130m.py", "model.sparse.pattern=", *LM, "data.batch_size=1"],
 }
 
 
