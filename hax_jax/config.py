@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 MIXER_KINDS = ("mamba", "mamba2", "attention", "swa", "mlp", "infini")
 SPARSE_COMPONENTS = ("sw", "sink", "dilated", "lsh", "ks", "full")
+# Tokens a decode cache holds unless init_cache is asked for more (full attention's KV buffer and the
+# sparse branch's key/value buffers grow with it; SSM states, windows and memories do not).
+DEFAULT_CAPACITY = 4096
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,7 +36,6 @@ class SparseConfig:
     official_code: bool = (
         False  # the official code's (leaky, dense) behaviours instead of the paper's
     )
-    decode_capacity: int = 4096  # tokens the decode cache holds (keys, values, buckets)
 
     def __post_init__(self):
         if self.pattern:

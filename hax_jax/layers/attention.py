@@ -14,12 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.config import ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.rope import apply_rope
 from hax_jax.sharding import linear_axes
-
-CAPACITY = 4096  # default tokens a full-attention decode cache holds
 
 
 class KVCache(NamedTuple):
@@ -96,7 +94,7 @@ class Attention(nnx.Module):
         # Scaled by 1/sqrt(n_layer), as mamba's out_proj (rescale_prenorm_residual).
         self.o_proj = linear(h * hd, d, ("heads", "embed"), False, scale=1 / math.sqrt(cfg.n_layer))
 
-    def init_cache(self, batch: int, capacity: int = CAPACITY) -> KVCache:
+    def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> KVCache:
         """The empty cache: `capacity` slots for full attention, window - 1 for a sliding window."""
         slots = capacity if self.window is None else self.window - 1
         zeros = jnp.zeros((batch, slots, self.n_heads, self.head_dim), self.dtype)
@@ -140,7 +138,7 @@ class Attention(nnx.Module):
         if cache is None:  # training / first prefill: keys are just these l tokens
             o = attend(q, k, v, i >= jnp.arange(l)[None], self.scale)
             # Hold at least this prefix; later calls must stay within the capacity.
-            pad = ((0, 0), (0, max(CAPACITY, l) - l), (0, 0), (0, 0))
+            pad = ((0, 0), (0, max(DEFAULT_CAPACITY, l) - l), (0, 0), (0, 0))
             return o, KVCache(jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(l, jnp.int32))
         # Continuing: write the new keys at their positions, then attend over the whole buffer.
         # Past the capacity the write would be clamped; keep p + l <= capacity.

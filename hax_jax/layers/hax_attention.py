@@ -185,11 +185,11 @@ class HaxBranch(nnx.Module):
             )
         return cache.sparse
 
-    def init_cache(self, batch: int, dtype) -> SparseAttentionCache:
-        """An empty decode cache holding up to cfg.decode_capacity tokens."""
+    def init_cache(self, batch: int, capacity: int, dtype) -> SparseAttentionCache:
+        """An empty decode cache holding up to `capacity` tokens."""
         return init_cache(
             batch,
-            self.cfg.decode_capacity,
+            capacity,
             self.d_state,
             self.d_inner,
             pattern=self.cfg.pattern,

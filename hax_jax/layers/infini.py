@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.config import ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.attention import attend
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.rope import apply_rope
@@ -107,8 +107,8 @@ class InfiniAttention(nnx.Module):
         # gate logit per head: starts at 1/2
         self.beta = nnx.Param(jnp.zeros((h,), jnp.float32), logical_axes=("heads",))
 
-    def init_cache(self, batch: int) -> InfiniCache:
-        """Empty memory, empty segment, position 0."""
+    def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> InfiniCache:
+        """Empty memory, empty segment, position 0; `capacity` is unused (the memory is fixed-size)."""
         h, hd, n = self.n_heads, self.head_dim, self.seg
         return InfiniCache(
             mem=jnp.zeros((batch, h, hd, hd), jnp.float32),

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.config import ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
 from hax_jax.sharding import linear_axes
@@ -93,12 +93,14 @@ class MambaMixer(nnx.Module):
         )
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
-    def init_cache(self, batch: int) -> MambaCache:
-        """The cache at the start of a sequence."""
+    def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> MambaCache:
+        """The cache at the start of a sequence; a sparse branch holds up to `capacity` tokens."""
         return MambaCache(
             conv=self.conv1d.init_state(batch, self.dtype),
             ssm=jnp.zeros((batch, self.d_inner, self.d_state), jnp.float32),
-            sparse=None if self.branch is None else self.branch.init_cache(batch, self.dtype),
+            sparse=None
+            if self.branch is None
+            else self.branch.init_cache(batch, capacity, self.dtype),
         )
 
     def _dt_B_C(self, x: jax.Array):

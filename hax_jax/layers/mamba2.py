@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.config import ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import SparseAttentionCache
 from hax_jax.layers.mamba import dt_bias_init, sparse_branch
@@ -76,12 +76,14 @@ class Mamba2Mixer(nnx.Module):
         self.out_proj = linear(e, d, ("inner", "embed"), scale=1 / math.sqrt(cfg.n_layer))
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
-    def init_cache(self, batch: int) -> Mamba2Cache:
-        """The cache at the start of a sequence."""
+    def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> Mamba2Cache:
+        """The cache at the start of a sequence; a sparse branch holds up to `capacity` tokens."""
         return Mamba2Cache(
             conv=self.conv1d.init_state(batch, self.dtype),
             ssm=jnp.zeros((batch, self.n_heads, self.headdim, self.d_state), jnp.float32),
-            sparse=None if self.branch is None else self.branch.init_cache(batch, self.dtype),
+            sparse=None
+            if self.branch is None
+            else self.branch.init_cache(batch, capacity, self.dtype),
         )
 
     def _split(self, zxbcdt: jax.Array):

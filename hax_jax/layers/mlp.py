@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.config import ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.sharding import linear_axes
 
@@ -48,8 +48,8 @@ class SwiGLU(nnx.Module):
         # scaled as mamba's out_proj
         self.down_proj = linear(f, d, ("mlp", "embed"), scale=1 / math.sqrt(cfg.n_layer))
 
-    def init_cache(self, batch: int) -> MlpCache:
-        """The (empty) cache."""
+    def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> MlpCache:
+        """The (empty) cache; `capacity` is unused."""
         return MlpCache()
 
     def _mlp(self, x: jax.Array) -> jax.Array:

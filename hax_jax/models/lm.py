@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hax_jax.config import ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 from hax_jax.sharding import linear_axes, shard
@@ -55,9 +55,9 @@ class LanguageModel(nnx.Module):
         """
         return self.forward(tokens, seq_idx=seq_idx, mask=mask, rng=rng)[0]
 
-    def init_cache(self, batch: int) -> tuple:
-        """Per-layer caches at the start of a sequence."""
-        return tuple(layer.mixer.init_cache(batch) for layer in self.layers)
+    def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> tuple:
+        """Per-layer caches at the start of a sequence, with room for `capacity` tokens."""
+        return tuple(layer.mixer.init_cache(batch, capacity) for layer in self.layers)
 
     def forward(
         self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx=None, mask=None, rng=None

@@ -35,7 +35,7 @@ def _cfg(kind: str, pattern: str, **sparse) -> ModelConfig:
         mamba=MambaConfig(d_state=8),
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8),
         sparse=SparseConfig(
-            pattern=pattern, num_keys=8, hash_bits=3, max_len=32, decode_capacity=64, **sparse
+            pattern=pattern, num_keys=8, hash_bits=3, max_len=32, **sparse
         ),
     )
 

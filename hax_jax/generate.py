@@ -1,0 +1,293 @@
+"""Sampling from a LanguageModel: a parallel prefill returning the caches, then a jitted decode loop.
+
+Rows of a batch may hold prompts of different lengths, padded on the left or on the right (`mask`
+marks the real tokens). The prefill runs the parallel forward over the shortest prompt's length;
+from there every row advances one position per step in lockstep, fed its own next prompt token
+while it has one ("forced") and its sampled token after. So each row sees exactly its own tokens at
+positions 0, 1, ..., as alone, for every mixer kind (no padding ever enters a cache), at the price
+of stepping through the longer prompts' tails one token at a time.
+
+`generate_reference` is the slow twin: the same loop, but every step re-runs the full parallel
+forward over all tokens so far instead of using the caches.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hax_jax.models.lm import LanguageModel
+
+
+class Generation(NamedTuple):
+    """What `generate` returns (numpy arrays)."""
+
+    tokens: np.ndarray  # (b, max_new_tokens) int32; pad_id after a row's stop token
+    lengths: np.ndarray  # (b,) int32 tokens generated per row, its stop token included
+    logits: np.ndarray | None  # (b, max_new_tokens, vocab_size) fp32 with return_logits, else None
+
+
+class Sampling(NamedTuple):
+    """How the next token is drawn; temperature 0 = greedy (argmax, ties to the lowest id)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = all tokens
+    top_p: float = 1.0  # nucleus: the fewest most likely tokens whose probability reaches top_p
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits (b, v) fp32 -> next tokens (b,) int32 under `sampling`."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep a token when the tokens before it hold less than top_p: the first is always kept.
+        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < sampling.top_p
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class _Loop(NamedTuple):
+    """The decode loop's carry (all arrays; the caches ride beside it)."""
+
+    t: jax.Array  # () int32: the position whose token is chosen next
+    logits: jax.Array  # (b, v) fp32: the distribution of position t
+    out: jax.Array  # (b, m) int32 generated tokens
+    out_logits: jax.Array  # (b, m, v) fp32, or (b, 0, v) without return_logits
+    count: jax.Array  # (b,) int32 tokens generated
+    done: jax.Array  # (b,) bool: stopped or full
+
+
+def _choose(loop: _Loop, prompts, lengths, key, stop, sampling: Sampling):
+    """Position t's token for every row (its prompt's or a sample) and the loop's bookkeeping."""
+    b, m = loop.out.shape
+    forced = loop.t < lengths
+    sampled = sample(loop.logits, jax.random.fold_in(key, loop.t), sampling)
+    prompt_t = prompts[:, jnp.minimum(loop.t, prompts.shape[1] - 1)]
+    token = jnp.where(forced, prompt_t, sampled)
+    fresh = ~forced & ~loop.done  # rows whose sample is a new output token
+    rows = jnp.arange(b)
+    slot = jnp.where(fresh, loop.count, m)  # index m is out of bounds: the write is dropped
+    out = loop.out.at[rows, slot].set(sampled, mode="drop")
+    out_logits = loop.out_logits
+    if out_logits.shape[1]:
+        out_logits = out_logits.at[rows, slot].set(loop.logits, mode="drop")
+    count = loop.count + fresh
+    stopped = fresh & jnp.isin(sampled, stop)
+    done = loop.done | stopped | (count >= m)
+    return token, loop._replace(out=out, out_logits=out_logits, count=count, done=done)
+
+
+def _mask_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """The padded vocabulary's extra ids never come out."""
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity"))
+def _prefill(graphdef, state, prefix, *, capacity):
+    """The parallel forward over the common prefix (b, p): (last logits (b, v), caches)."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.forward(prefix, cache=model.init_cache(prefix.shape[0], capacity))
+    return logits[:, -1], cache
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "return_logits", "pad_id")
+)
+def _decode(
+    graphdef,
+    state,
+    cache,
+    logits,
+    prompts,
+    lengths,
+    start,
+    key,
+    stop,
+    *,
+    sampling: Sampling,
+    max_new_tokens: int,
+    return_logits: bool,
+    pad_id: int,
+):
+    """Steps from position `start` until every row has stopped or generated max_new_tokens."""
+    model = nnx.merge(graphdef, state)
+    b, m = prompts.shape[0], max_new_tokens
+    vocab = model.cfg.vocab_size
+    loop = _Loop(
+        t=start,
+        logits=_mask_vocab(logits, vocab),
+        out=jnp.full((b, m), pad_id, jnp.int32),
+        out_logits=jnp.zeros((b, m if return_logits else 0, logits.shape[-1])),
+        count=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool),
+    )
+
+    def body(carry):
+        loop, cache = carry
+        token, loop = _choose(loop, prompts, lengths, key, stop, sampling)
+        logits, cache = model.step(token, cache)
+        return loop._replace(t=loop.t + 1, logits=_mask_vocab(logits, vocab)), cache
+
+    loop, _ = jax.lax.while_loop(lambda carry: ~jnp.all(carry[0].done), body, (loop, cache))
+    return loop.out, loop.count, loop.out_logits
+
+
+def generate(
+    model: LanguageModel,
+    tokens,
+    max_new_tokens: int,
+    *,
+    mask=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_tokens=(),
+    pad_id: int = 0,
+    return_logits: bool = False,
+) -> Generation:
+    """Continues each row of `tokens` by up to max_new_tokens sampled tokens, decoding from caches.
+
+    Args:
+      model: the LanguageModel (any mixer kinds).
+      tokens: (b, l) int prompts; with `mask`, padded on either side.
+      max_new_tokens: tokens to generate per row (a row stops early at a stop token).
+      mask: (b, l) bool, True at real tokens, one contiguous run per row; None = all real.
+      temperature, top_k, top_p: sampling (temperature 0 = greedy).
+      seed: the sampling key; the same seed gives the same tokens.
+      stop_tokens: ids that end a row (the stop token is kept in the output).
+      pad_id: fills each row's output after it stops.
+      return_logits: also return the fp32 logits each generated token was drawn from.
+
+    Returns:
+      Generation(tokens (b, max_new_tokens), lengths (b,), logits or None).
+    """
+    prompts, lengths = _pack_prompts(model, tokens, mask, max_new_tokens)
+    sampling = _sampling(temperature, top_k, top_p)
+    start = int(lengths.min())
+    graphdef, state = nnx.split(model)
+    capacity = prompts.shape[1] + max_new_tokens
+    last, cache = _prefill(graphdef, state, jnp.asarray(prompts[:, :start]), capacity=capacity)
+    out, count, out_logits = _decode(
+        graphdef,
+        state,
+        cache,
+        last,
+        jnp.asarray(prompts),
+        jnp.asarray(lengths),
+        jnp.asarray(start, jnp.int32),
+        jax.random.key(seed),
+        jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        return_logits=return_logits,
+        pad_id=pad_id,
+    )
+    return _result(model, out, count, out_logits, return_logits)
+
+
+def generate_reference(
+    model: LanguageModel,
+    tokens,
+    max_new_tokens: int,
+    *,
+    mask=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_tokens=(),
+    pad_id: int = 0,
+    return_logits: bool = False,
+) -> Generation:
+    """`generate` without caches, the slow twin: each step re-runs the full parallel forward.
+
+    The tokens so far sit in a (b, P + max_new_tokens) buffer, zeros after them; position t's logits
+    are read from the forward of the whole buffer, so causality keeps the zeros out (one compile).
+    """
+    prompts, lengths = _pack_prompts(model, tokens, mask, max_new_tokens)
+    sampling = _sampling(temperature, top_k, top_p)
+    b, m, vocab = prompts.shape[0], max_new_tokens, model.cfg.padded_vocab_size
+    key, stop = jax.random.key(seed), jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
+    graphdef, state = nnx.split(model)
+    start = int(lengths.min())
+    seq = jnp.zeros((b, prompts.shape[1] + m), jnp.int32).at[:, :start].set(prompts[:, :start])
+    loop = _Loop(
+        t=jnp.asarray(start, jnp.int32),
+        logits=_logits_at(graphdef, state, seq, start - 1),
+        out=jnp.full((b, m), pad_id, jnp.int32),
+        out_logits=jnp.zeros((b, m if return_logits else 0, vocab)),
+        count=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool),
+    )
+    prompts_j, lengths_j = jnp.asarray(prompts), jnp.asarray(lengths)
+    while not bool(jnp.all(loop.done)):
+        token, loop = _choose(loop, prompts_j, lengths_j, key, stop, sampling)
+        seq = seq.at[:, loop.t].set(token)
+        loop = loop._replace(t=loop.t + 1, logits=_logits_at(graphdef, state, seq, loop.t))
+    return _result(model, loop.out, loop.count, loop.out_logits, return_logits)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _logits_at(graphdef, state, seq, t):
+    """The full forward over seq (b, l); the (vocab-masked) logits at position t (b, v)."""
+    model = nnx.merge(graphdef, state)
+    return _mask_vocab(model(seq)[:, t], model.cfg.vocab_size)
+
+
+def _result(model, out, count, out_logits, return_logits: bool) -> Generation:
+    """Host arrays; the logits cut to the real vocabulary."""
+    logits = np.asarray(out_logits)[..., : model.cfg.vocab_size] if return_logits else None
+    return Generation(np.asarray(out), np.asarray(count), logits)
+
+
+def _sampling(temperature: float, top_k: int, top_p: float) -> Sampling:
+    """Checked sampling settings."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 = no limit)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    return Sampling(float(temperature), int(top_k), float(top_p))
+
+
+def _pack_prompts(model: LanguageModel, tokens, mask, max_new_tokens: int):
+    """Each row's real tokens moved to the front: (prompts (b, P) int32, lengths (b,) int32)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integer (b, l), got {tokens.dtype} {tokens.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
+    if mask.shape != tokens.shape:
+        raise ValueError(f"mask shape {mask.shape} differs from tokens shape {tokens.shape}")
+    lengths = mask.sum(axis=1).astype(np.int32)
+    prompts = np.zeros((tokens.shape[0], max(int(lengths.max(initial=0)), 1)), np.int32)
+    for i, (row, real) in enumerate(zip(tokens, mask)):
+        where = np.flatnonzero(real)
+        if where.size == 0:
+            raise ValueError(f"row {i} has no real token (mask is all False)")
+        if where[-1] - where[0] + 1 != where.size:
+            raise ValueError(f"row {i}'s mask is not one contiguous run (left or right padding)")
+        prompts[i, : where.size] = row[where]
+    bad = (prompts < 0) | (prompts >= model.cfg.vocab_size)
+    if np.any(bad & (np.arange(prompts.shape[1]) < lengths[:, None])):
+        value = prompts[bad & (np.arange(prompts.shape[1]) < lengths[:, None])][0]
+        raise ValueError(f"token id {value} is out of range [0, vocab_size={model.cfg.vocab_size})")
+    return prompts, lengths
