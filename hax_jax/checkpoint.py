@@ -67,6 +67,38 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> LanguageMo
     return nnx.merge(graphdef, abstract_state)
 
 
+def load_for_eval(path: str | Path) -> tuple[LanguageModel, config_lib.Config, list[Path]]:
+    """A pretrained directory or a training workdir: (model, run config, tokenizer directories to try).
+
+    A workdir gives its best-by-validation parameters and its whole config (data settings included);
+    a pretrained directory gives the default Config around its ModelConfig.
+    """
+    path = Path(path).absolute()
+    if (path / PARAMS_DIR).exists() or not (path / "best").exists():
+        if (path / "checkpoints").exists():
+            raise FileNotFoundError(
+                f"workdir {str(path)!r} has no evaluated checkpoint yet ({path / 'best'} is missing); "
+                "eval.py reads the best parameters, which train.py keeps from its first evaluation"
+            )
+        model = load_pretrained(path)
+        return model, config_lib.Config(model=model.cfg), [path]
+    cfg = config_lib.load_json(config_lib.Config, path / CONFIG_FILE)
+    manager = best_checkpointer(path)
+    step = manager.best_step()
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg.model), nnx.Param))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
+    )
+    params = manager.restore(
+        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))
+    )["params"]
+    graphdef, state = nnx.split(abstract_model(cfg.model), nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    tokenizers = [Path(cfg.data.tokenizer) if cfg.data.tokenizer else None, path / "tokenizer"]
+    return nnx.merge(graphdef, state), cfg, [p for p in tokenizers if p is not None]
+
+
 # ----------------------------------------------------------------------------- training runs
 # workdir/checkpoints/<step>/{state, data, config}: the TrainState, the data iterator (grain, one file per
 # process) and the resolved config. workdir/best/<step>/ keeps the parameters of the best validation score.
@@ -176,7 +208,7 @@ def restore_params(path: str | Path, target: dict) -> dict:
 
 
 def _path(path) -> str:
-    """"layers/0/mixer/A_log" for a tree path (a checkpoint's metadata has str keys, models int keys)."""
+    """ "layers/0/mixer/A_log" for a tree path (a checkpoint's metadata has str keys, models int keys)."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 

@@ -10,6 +10,7 @@ pytorch_model.bin (needs torch: `pip install hax-jax[convert]`). Model code neve
 import argparse
 import json
 import math
+import shutil
 from pathlib import Path
 
 import jax
@@ -18,6 +19,7 @@ from flax import nnx
 
 from hax_jax import checkpoint
 from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig
+from hax_jax.data.text import TOKENIZER_FILES
 from hax_jax.models.lm import LanguageModel
 
 # mamba_ssm ssm_cfg keys that only shape the init (or the PyTorch runtime), never the function.
@@ -445,6 +447,10 @@ def main(argv: list[str] | None = None) -> None:
         to_hf_dir(checkpoint.load_pretrained(args.src), args.out)
     else:
         checkpoint.save_pretrained(from_pretrained_dir(args.src), args.out)
+    # The tokenizer travels with the weights: eval.py reads it from the checkpoint directory.
+    for name in TOKENIZER_FILES:
+        if (Path(args.src) / name).is_file():
+            shutil.copy(Path(args.src) / name, Path(args.out) / name)
     print(f"wrote {args.out}")
 
 

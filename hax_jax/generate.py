@@ -5,7 +5,8 @@ marks the real tokens). The prefill runs the parallel forward over the shortest 
 from there every row advances one position per step in lockstep, fed its own next prompt token
 while it has one ("forced") and its sampled token after. So each row sees exactly its own tokens at
 positions 0, 1, ..., as alone, for every mixer kind (no padding ever enters a cache), at the price
-of stepping through the longer prompts' tails one token at a time.
+of stepping through the longer prompts' tails one token at a time. (The prefill length is rounded
+down to a bucket, so that batches of similar lengths share one compiled prefill.)
 
 `generate_reference` is the slow twin: the same loop, but every step re-runs the full parallel
 forward over all tokens so far instead of using the caches.
@@ -179,9 +180,11 @@ def generate(
     """
     prompts, lengths = _pack_prompts(model, tokens, mask, max_new_tokens)
     sampling = _sampling(temperature, top_k, top_p)
-    start = int(lengths.min())
+    start = _prefill_length(int(lengths.min()))
+    width = -(-prompts.shape[1] // 64) * 64  # fewer distinct shapes, fewer compiles
+    prompts = np.pad(prompts, ((0, 0), (0, width - prompts.shape[1])))
     graphdef, state = nnx.split(model)
-    capacity = prompts.shape[1] + max_new_tokens
+    capacity = width + max_new_tokens
     last, cache = _prefill(graphdef, state, jnp.asarray(prompts[:, :start]), capacity=capacity)
     out, count, out_logits = _decode(
         graphdef,
@@ -248,6 +251,14 @@ def _logits_at(graphdef, state, seq, t):
     """The full forward over seq (b, l); the (vocab-masked) logits at position t (b, v)."""
     model = nnx.merge(graphdef, state)
     return _mask_vocab(model(seq)[:, t], model.cfg.vocab_size)
+
+
+def _prefill_length(shortest: int) -> int:
+    """The prefill covers the shortest prompt rounded down to a bucket (the rest is fed step by step),
+    so batches of similar lengths share one compiled prefill."""
+    if shortest >= 512:
+        return shortest // 256 * 256
+    return shortest // 64 * 64 if shortest >= 64 else shortest
 
 
 def _result(model, out, count, out_logits, return_logits: bool) -> Generation:

@@ -98,16 +98,20 @@ def train_step(
 
 
 def eval_step(params: dict, batch: dict, *, graphdef) -> dict:
-    """Sums over the batch (rows with weight 0 are padding): accuracy, rows, NLL, tokens."""
+    """Sums over the batch (rows with weight 0 are padding): per-row accuracy, rows, NLL, hits, tokens."""
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], seq_idx=batch.get("seq_idx"), mask=batch["real"].astype(bool))
     weight = batch["weight"].astype(jnp.float32)
     accuracy, has = per_sample_accuracy(logits, batch)
     rows = has * weight
     mask = batch["loss_mask"].astype(jnp.float32) * weight[:, None]
+    hits = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
     return {
         "accuracy_sum": jnp.sum(accuracy * rows),
         "rows": jnp.sum(rows),
         "nll_sum": jnp.sum(_token_nll(logits, batch) * mask),
+        "hits": jnp.sum(
+            hits * mask
+        ),  # token-level accuracy = hits / tokens (Zoology's MQAR metric)
         "tokens": jnp.sum(mask),
     }

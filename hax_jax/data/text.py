@@ -70,6 +70,39 @@ def load_tokenizer(directory: str | Path):
     return _tokenizers().Tokenizer.from_file(str(path))
 
 
+# Files of a tokenizer directory that travel with a model (HF's names; only tokenizer.json is read).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def find_tokenizer(candidates, vocab_size: int, needed_by: str):
+    """The first of `candidates` (directories) holding a tokenizer.json, checked against vocab_size.
+
+    Raises ValueError naming `needed_by` (the task) and the places looked in when there is none.
+    """
+    looked = [str(c) for c in candidates if c]
+    for directory in looked:
+        if (Path(directory) / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(directory)
+            check_vocab(tokenizer, vocab_size)
+            return tokenizer
+    raise ValueError(
+        f"{needed_by} needs text, but the model has no tokenizer (looked in: "
+        f"{', '.join(looked) or 'nowhere'}); pass --tokenizer DIR, a directory with a tokenizer.json "
+        "(an HF model's, or one trained with python -m hax_jax.data.text)"
+    )
+
+
+def eos_id(tokenizer) -> int:
+    """The end-of-text id: tokenizer_config.json's eos_token is not read, so the usual names are tried."""
+    for name in (EOS_TOKEN, "</s>", "<eos>", "<|eot_id|>"):
+        found = tokenizer.token_to_id(name)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"the tokenizer has none of the end-of-text tokens {EOS_TOKEN!r}, '</s>', '<eos>'"
+    )
+
+
 def check_vocab(tokenizer, vocab_size: int) -> None:
     """Raises ValueError when the tokenizer's ids do not all fit below the model's vocab_size."""
     size = tokenizer.get_vocab_size(with_added_tokens=True)

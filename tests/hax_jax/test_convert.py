@@ -1,6 +1,5 @@
 """Conversion: logits equal to transformers' on tiny random models; HF -> hax_jax -> HF round trip; errors."""
 
-import inspect
 import json
 import subprocess
 import sys
@@ -12,66 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import hf_mamba, hf_mamba2  # noqa: E402
+
 from hax_jax import convert, load_pretrained  # noqa: E402
 
 LOGIT_ATOL = 2e-4  # fp32, the issue's bar
-
-
-def _randomize(model, seed: int):
-    """Moves every parameter off its init (ones, zeros, aranges) so no mapping error can hide."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
-def _hf_mamba(tmp_path, *, conv=4, tie=True, bias=False, vocab=64, seed=0):
-    """A tiny random MambaForCausalLM."""
-    cfg = transformers.MambaConfig(
-        hidden_size=32,
-        state_size=8,
-        num_hidden_layers=2,
-        vocab_size=vocab,
-        conv_kernel=conv,
-        expand=2,
-        use_bias=bias,
-        tie_word_embeddings=tie,
-        use_mambapy=False,
-    )
-    torch.manual_seed(seed)
-    return _randomize(transformers.MambaForCausalLM(cfg), seed)
-
-
-def _hf_groups_its_norm() -> bool:
-    """Whether this transformers' Mamba2 gated RMSNorm is grouped like mamba_ssm's (fixed after 5.17)."""
-    from transformers.models.mamba2 import modeling_mamba2
-
-    return "group_size" in inspect.signature(modeling_mamba2.MambaRMSNormGated.__init__).parameters
-
-
-def _hf_mamba2(tmp_path, *, groups=1, conv=4, tie=False, chunk=8, vocab=64, seed=0):
-    """A tiny random Mamba2ForCausalLM (4 heads of 16)."""
-    if groups > 1 and not _hf_groups_its_norm():
-        pytest.skip(
-            f"transformers {transformers.__version__} normalises Mamba2 over all groups at once; "
-            "mamba_ssm (and hax_jax) normalise each group: no reference for n_groups > 1"
-        )
-    cfg = transformers.Mamba2Config(
-        hidden_size=32,
-        expand=2,
-        num_heads=4,
-        head_dim=16,
-        state_size=8,
-        n_groups=groups,
-        num_hidden_layers=2,
-        vocab_size=vocab,
-        conv_kernel=conv,
-        chunk_size=chunk,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    return _randomize(transformers.Mamba2ForCausalLM(cfg), seed)
 
 
 def _tokens(vocab: int, length: int = 21, batch: int = 2, seed: int = 0) -> np.ndarray:
@@ -161,7 +105,7 @@ def _check_parity_and_round_trip(hf_model, src, tmp_path, vocab):
     ids=["tied-safetensors", "conv3-untied-bias-sharded", "odd-vocab-bin"],
 )
 def test_mamba_matches_transformers(tmp_path, kwargs, fmt):
-    hf_model = _hf_mamba(tmp_path, **kwargs)
+    hf_model = hf_mamba(tmp_path, **kwargs)
     src = _save_hf(hf_model, tmp_path / "hf", fmt)
     _check_parity_and_round_trip(hf_model, src, tmp_path, kwargs.get("vocab", 64))
 
@@ -176,16 +120,16 @@ def test_mamba_matches_transformers(tmp_path, kwargs, fmt):
     ids=["g1-untied-chunk8", "g2-conv3-tied-chunk4-sharded", "g4-chunk16-bin"],
 )
 def test_mamba2_matches_transformers(tmp_path, kwargs, fmt):
-    hf_model = _hf_mamba2(tmp_path, **kwargs)
+    hf_model = hf_mamba2(tmp_path, **kwargs)
     src = _save_hf(hf_model, tmp_path / "hf", fmt)
     _check_parity_and_round_trip(hf_model, src, tmp_path, 64)
 
 
 def test_mamba_ssm_checkpoints_match_transformers(tmp_path):
     # vocab 61 padded to a multiple of 8 gives the 64 embedding rows, as mamba_ssm does for 50277 -> 50280.
-    m1 = _hf_mamba(tmp_path, vocab=64, seed=1)
+    m1 = hf_mamba(tmp_path, vocab=64, seed=1)
     src1 = _save_mamba_ssm(m1, tmp_path / "m1", vocab=61, ssm_cfg={"d_state": 8})
-    m2 = _hf_mamba2(tmp_path, groups=2, tie=True, chunk=8, seed=2)
+    m2 = hf_mamba2(tmp_path, groups=2, tie=True, chunk=8, seed=2)
     src2 = _save_mamba_ssm(
         m2,
         tmp_path / "m2",
@@ -205,7 +149,7 @@ def test_mamba_ssm_checkpoints_match_transformers(tmp_path):
 
 
 def test_cli_entry_point(tmp_path):
-    hf_model = _hf_mamba(tmp_path)
+    hf_model = hf_mamba(tmp_path)
     src = _save_hf(hf_model, tmp_path / "hf", "safetensors")
     out = tmp_path / "hax"
     result = subprocess.run(
@@ -236,7 +180,7 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(convert.ConversionError, match="not a Mamba config"):
         convert.from_pretrained_dir(tmp_path / "other")
 
-    hf_model = _hf_mamba(tmp_path)
+    hf_model = hf_mamba(tmp_path)
     src = _save_hf(hf_model, tmp_path / "hf", "safetensors")
     cfg = convert.read_config(src)
     tensors = convert.read_tensors(src)

@@ -1,0 +1,1 @@
+"""Evaluation tasks: joint recall, MQAR, RULER-style, perplexity, LongBench, lm-evaluation-harness."""
