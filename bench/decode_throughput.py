@@ -1,0 +1,131 @@
+"""Generation speed: hax_jax.generate for the 130M Mamba-2 and HAX-Mamba-2, beside transformers' generate.
+
+    python bench/decode_throughput.py [--batches 1,64] [--prompt 2048] [--new 128] [--peer]
+
+Random bf16 models (the speed does not depend on the weights), random prompts of --prompt tokens,
+greedy decoding of exactly --new tokens (no stop token). For each batch size it times the prefill alone
+(max_new_tokens=1) and the whole call, each the best of --repeats after a compiling call, and reports
+  decode tokens/s = batch * (new - 1) / (whole - prefill)   (the recurrent steps alone)
+  overall tokens/s = batch * new / whole                   (the Mamba paper's throughput: prefill included)
+With --peer, transformers' Mamba2ForCausalLM (same architecture, bf16, cached generate, greedy,
+min_new_tokens = max_new_tokens) is timed the same way in the same process; what it runs (CUDA/Triton
+kernels or its pure-torch path) depends on what is installed, and the output says which.
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hax_jax.config import load_config_file
+from hax_jax.generate import generate
+from hax_jax.models.lm import LanguageModel
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"mamba2_130m": "configs/mamba2_130m.py", "hax_mamba2_130m": "configs/hax_130m.py"}
+
+
+def best_time(fn, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls (fn blocks until its result is on the host)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def ours(name: str, batch: int, prompt: int, new: int, repeats: int) -> dict:
+    """hax_jax.generate on a random bf16 model."""
+    cfg = dataclasses.replace(load_config_file(ROOT / MODELS[name]).model, dtype="bfloat16")
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt))
+    runs = {n: (lambda n=n: generate(model, tokens, n)) for n in (1, new)}
+    for run in runs.values():
+        run()  # compile
+    prefill, whole = (best_time(runs[n], repeats) for n in (1, new))
+    return _rates("hax_jax", name, batch, prompt, new, prefill, whole)
+
+
+def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
+    """transformers' Mamba2ForCausalLM.generate, the same architecture as mamba2_130m."""
+    import torch
+    import transformers
+    from transformers.models.mamba2 import modeling_mamba2
+
+    cfg = load_config_file(ROOT / MODELS["mamba2_130m"]).model
+    hf = transformers.Mamba2Config(
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layer,
+        state_size=cfg.mamba2.d_state,
+        head_dim=cfg.mamba2.headdim,
+        num_heads=cfg.d_model * cfg.mamba2.expand // cfg.mamba2.headdim,
+        expand=cfg.mamba2.expand,
+        n_groups=cfg.mamba2.ngroups,
+        vocab_size=cfg.padded_vocab_size,
+        chunk_size=cfg.mamba2.chunk_size,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Mamba2ForCausalLM(hf).to("cuda", torch.bfloat16).eval()
+    tokens = torch.randint(1, cfg.vocab_size, (batch, prompt), device="cuda")
+
+    def run(n: int):
+        with torch.no_grad():
+            model.generate(
+                tokens, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        torch.cuda.synchronize()
+
+    run(new)  # warm up
+    prefill, whole = (best_time(lambda n=n: run(n), repeats) for n in (1, new))
+    fast = getattr(modeling_mamba2, "is_fast_path_available", None)
+    out = _rates("transformers", "mamba2_130m", batch, prompt, new, prefill, whole)
+    return {**out, "kernels": "mamba_ssm/causal_conv1d" if fast else "pure torch"}
+
+
+def _rates(impl, name, batch, prompt, new, prefill, whole) -> dict:
+    """The measured times and the derived rates."""
+    return {
+        "impl": impl,
+        "model": name,
+        "batch": batch,
+        "prompt": prompt,
+        "new": new,
+        "prefill_s": round(prefill, 4),
+        "whole_s": round(whole, 4),
+        "decode_tokens_per_s": round(batch * (new - 1) / max(whole - prefill, 1e-9), 1),
+        "overall_tokens_per_s": round(batch * new / whole, 1),
+    }
+
+
+def main() -> None:
+    """Runs every (model, batch) and prints one JSON line each; --write saves them all."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--write", default="")
+    args = parser.parse_args()
+    print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
+    results = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for name in args.models.split(","):
+            results.append(ours(name, batch, args.prompt, args.new, args.repeats))
+            print(json.dumps(results[-1]), flush=True)
+        if args.peer:
+            results.append(peer(batch, args.prompt, args.new, args.repeats))
+            print(json.dumps(results[-1]), flush=True)
+    if args.write:
+        Path(args.write).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""A tiny model with a tokenizer, saved as a checkpoint directory: the subject of the text-task tests."""
+
+import shutil
+from pathlib import Path
+
+from flax import nnx
+from mixer_testing import perturbed
+
+from hax_jax import ModelConfig, save_pretrained
+from hax_jax.config import Mamba2Config
+from hax_jax.data import text
+from hax_jax.models.lm import LanguageModel
+
+
+def tiny_text_model(root: Path) -> dict:
+    """A perturbed 2-layer Mamba-2 over a 512-token BPE of pydoc's topics, saved in root/ckpt with
+    its tokenizer.json: {"model", "ckpt", "corpus", "tokenizer"}."""
+    corpus = text.write_pydoc_topics(root / "topics.txt")
+    text.train_tokenizer([corpus], root / "tok", 512)
+    cfg = ModelConfig(
+        d_model=32,
+        n_layer=2,
+        vocab_size=512,
+        block_pattern=("mamba2",),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=16),
+    )
+    model = perturbed(LanguageModel(cfg, rngs=nnx.Rngs(0)), seed=1, scale=0.2)
+    save_pretrained(model, root / "ckpt")
+    shutil.copy(root / "tok" / "tokenizer.json", root / "ckpt" / "tokenizer.json")
+    return {
+        "model": model,
+        "ckpt": root / "ckpt",
+        "corpus": corpus,
+        "tokenizer": text.load_tokenizer(root / "tok"),
+    }
