@@ -1,30 +1,205 @@
-"""Evaluates a checkpoint: `python eval.py <checkpoint dir> [--tokens 1,2,3]`.
+"""Evaluates a model: `python eval.py WORKDIR_OR_CHECKPOINT --tasks t1,t2,... [options] [data.key=value ...]`.
 
-Joint recall, MQAR, RULER-style tasks, perplexity and the lm-evaluation-harness adapter are issue #5.
-Until then this loads a hax_jax checkpoint (e.g. one written by `python -m hax_jax.convert`) and prints the
-next-token distribution's top entries for the given token ids, which checks a conversion end to end.
+Tasks:
+  joint_recall, mqar          held-out split (--split valid|test) of the synthetic task; the run's data
+                              settings, changed by data.* overrides (e.g. data.joint_recall.n_context=4)
+  niah_single_1 ... qa, ruler RULER-style tasks at --lengths tokens (ruler = all; qa needs --qa FILE),
+                              greedy decoding, RULER's scores; --haystack FILE for the essay haystacks
+  perplexity                  exp(mean NLL) over --data (a .npy/.bin token file or text) in rows of
+                              --lengths tokens
+  longbench                   LongBench-format JSONL files (--longbench F1,F2), their metrics
+  lm_eval:<task>              an lm-evaluation-harness task through the hax_jax adapter
+                              (--lm-eval-include DIR for local task YAMLs)
+Results are printed as a table and written as JSON keyed by task (--output).
 """
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
+from hax_jax import checkpoint
+from hax_jax import config as config_lib
+from hax_jax.data import ruler as ruler_data
+from hax_jax.data import text
+from hax_jax.evals import heldout, longbench, ruler, text_model
 
-from hax_jax import load_pretrained
+RULER_TASKS = tuple(ruler_data.TASKS)
+TEXT_TASKS = (*RULER_TASKS, "ruler", "longbench")  # tasks that need a tokenizer
 
 
-def main() -> None:
-    """Loads the checkpoint and runs the model once."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", help="a hax_jax checkpoint directory (config.json + params/)")
-    parser.add_argument("--tokens", default="1,2,3", help="comma-separated token ids")
-    args = parser.parse_args()
-    model = load_pretrained(args.checkpoint)
-    tokens = jnp.array([[int(t) for t in args.tokens.split(",")]], jnp.int32)
-    logits = model(tokens)[0, -1]
-    top = jax.lax.top_k(jax.nn.log_softmax(logits), 5)
-    print("next-token log-probs:", {int(i): round(float(v), 4) for v, i in zip(*top)})
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line; key=value words are collected as overrides."""
+    parser = argparse.ArgumentParser(
+        prog="eval.py",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("path", help="a training workdir or a pretrained checkpoint directory")
+    parser.add_argument("--tasks", required=True, help="comma-separated task names")
+    parser.add_argument("--output", default="", help="write the results as JSON here")
+    parser.add_argument("--lengths", default="4096", help="comma-separated token lengths")
+    parser.add_argument("--tokenizer", default="", help="tokenizer directory (tokenizer.json)")
+    parser.add_argument("--split", default="valid", help="joint_recall / mqar split")
+    parser.add_argument("--data", default="", help="perplexity: token (.npy/.bin) or text file")
+    parser.add_argument("--token-dtype", default="uint16", help="dtype of a raw .bin token file")
+    parser.add_argument("--haystack", default="", help="RULER essay haystack text file")
+    parser.add_argument("--qa", default="", help="RULER qa: a SQuAD or HotpotQA json file")
+    parser.add_argument("--longbench", default="", help="comma-separated LongBench JSONL files")
+    parser.add_argument("--lm-eval-include", default="", help="directory of lm_eval task YAMLs")
+    parser.add_argument("--num-examples", type=int, default=25, help="RULER examples per length")
+    parser.add_argument(
+        "--limit", type=int, default=0, help="longbench / lm_eval examples (0 = all)"
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward / decode batch")
+    parser.add_argument("--seed", type=int, default=0, help="RULER example seed")
+    args, overrides = parser.parse_known_args(argv)
+    unknown = [o for o in overrides if "=" not in o]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = overrides
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.lengths = [_positive(v, "--lengths") for v in args.lengths.split(",") if v]
+    return args
+
+
+def _positive(value: str, flag: str) -> int:
+    """An int > 0 from the command line, or a clear error."""
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{flag} takes positive integers, got {value!r}")
+    return int(value)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Loads the model once and runs every task; returns {task: metrics}."""
+    known = ("joint_recall", "mqar", "perplexity", *TEXT_TASKS)
+    for task in args.tasks:
+        if task not in known and not task.startswith("lm_eval:"):
+            raise ValueError(f"unknown task {task!r}; known: {', '.join(known)}, lm_eval:<task>")
+    for override in args.overrides:
+        if not override.startswith("data."):
+            raise ValueError(f"eval.py takes data.* overrides only, got {override!r}")
+    model, cfg, tokenizer_dirs = checkpoint.load_for_eval(args.path)
+    cfg = config_lib.apply_overrides(cfg, args.overrides)
+    tokenizer = None
+    needs_text = [t for t in args.tasks if _needs_text(t, args)]
+    if needs_text:
+        tokenizer = text.find_tokenizer(
+            [args.tokenizer, *tokenizer_dirs], model.cfg.vocab_size, f"task {needs_text[0]!r}"
+        )
+
+    def predict(prompts: list[str], max_new_tokens: int) -> list[str]:
+        """Greedy completions of the text tasks' prompts."""
+        return text_model.complete(
+            model, tokenizer, prompts, max_new_tokens, batch_size=args.batch_size
+        )
+
+    results = {}
+    for task in args.tasks:
+        if task in ("joint_recall", "mqar"):
+            results[task] = heldout.recall(
+                model, cfg, task, split=args.split, batch_size=args.batch_size
+            )
+        elif task == "perplexity":
+            if not args.data:
+                raise ValueError("task 'perplexity' needs --data FILE (token or text file)")
+            results[task] = {
+                str(length): heldout.perplexity(
+                    model,
+                    args.data,
+                    seq_len=length,
+                    batch_size=args.batch_size,
+                    tokenizer=tokenizer,
+                    token_dtype=args.token_dtype,
+                )
+                for length in args.lengths
+            }
+        elif task in RULER_TASKS or task == "ruler":
+            names = [task] if task != "ruler" else [t for t in RULER_TASKS if t != "qa" or args.qa]
+            for name in names:
+                results[name] = ruler.run(
+                    name,
+                    predict,
+                    tokenizer=tokenizer,
+                    lengths=args.lengths,
+                    num_examples=args.num_examples,
+                    seed=args.seed,
+                    haystack_path=args.haystack or None,
+                    qa_path=args.qa or None,
+                )
+        elif task == "longbench":
+            if not args.longbench:
+                raise ValueError("task 'longbench' needs --longbench FILE[,FILE] (JSONL)")
+            results[task] = {}
+            for path in args.longbench.split(","):
+                results[task].update(
+                    longbench.run(
+                        path,
+                        predict,
+                        tokenizer=tokenizer,
+                        max_length=max(args.lengths),
+                        limit=args.limit,
+                    )
+                )
+        else:
+            results[task] = lm_eval_task(task.partition(":")[2], model, tokenizer, args)
+    return results
+
+
+def _needs_text(task: str, args: argparse.Namespace) -> bool:
+    """Whether `task` reads or writes text (so needs a tokenizer)."""
+    if task == "perplexity":
+        return Path(args.data).suffix not in heldout.TOKEN_SUFFIXES
+    return task in TEXT_TASKS or task.startswith("lm_eval:")
+
+
+def lm_eval_task(name: str, model, tokenizer, args: argparse.Namespace) -> dict:
+    """One lm-evaluation-harness task through the adapter; its metrics as lm_eval reports them."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from hax_jax.evals.lm_eval_adapter import HaxJaxLM
+
+    lm = HaxJaxLM(
+        loaded=(model, tokenizer), batch_size=args.batch_size, max_length=max(args.lengths)
+    )
+    manager = TaskManager(include_path=args.lm_eval_include or None)
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=[name], task_manager=manager, limit=args.limit or None
+    )
+    return {k: v for k, v in out["results"][name].items() if k != "alias"}
+
+
+def table(results: dict) -> str:
+    """One line per (task, metric), nested metrics joined by '/'."""
+    rows = []
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            rows.append((prefix, f"{value:.4f}" if isinstance(value, float) else str(value)))
+
+    walk("", results)
+    width = max((len(name) for name, _ in rows), default=4)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv: list[str]) -> dict:
+    """Runs the tasks, prints the table, writes the JSON."""
+    args = parse_args(argv)
+    results = run(args)
+    print(table(results))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")

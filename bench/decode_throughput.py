@@ -121,10 +121,13 @@ def main() -> None:
             results.append(ours(name, batch, args.prompt, args.new, args.repeats))
             print(json.dumps(results[-1]), flush=True)
         if args.peer:
-            results.append(peer(batch, args.prompt, args.new, args.repeats))
+            try:
+                results.append(peer(batch, args.prompt, args.new, args.repeats))
+            except RuntimeError as err:  # torch.OutOfMemoryError is one
+                results.append({"impl": "transformers", "batch": batch, "error": str(err)[:200]})
             print(json.dumps(results[-1]), flush=True)
-    if args.write:
-        Path(args.write).write_text(json.dumps(results, indent=2) + "\n")
+        if args.write:  # after every batch size: a later failure keeps what was measured
+            Path(args.write).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

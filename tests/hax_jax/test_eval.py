@@ -1,0 +1,175 @@
+"""eval.py and hax_jax.evals: metrics against direct computations, a run's workdir, errors."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mixer_testing import lm_logits
+from text_models import tiny_text_model
+
+from hax_jax import Config, save_pretrained
+from hax_jax.data import pipeline, text
+from hax_jax.evals import heldout, text_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    """A top-level script (eval.py, train.py) as a module."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+eval_cli = _script("eval")
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A perturbed 2-layer Mamba-2 over a 512-token BPE, saved with its tokenizer."""
+    return tiny_text_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log-softmax over the last axis in float64."""
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _direct_nll(model, rows: np.ndarray) -> np.ndarray:
+    """Per-token NLL of rows (r, L + 1) from log-softmax of one forward per row."""
+    out = []
+    for row in rows:
+        logp = _log_softmax(np.asarray(lm_logits(model, row[None, :-1]))[0, :, :512])
+        out.append(-logp[np.arange(len(row) - 1), row[1:]])
+    return np.concatenate(out)
+
+
+def test_perplexity_is_exp_mean_token_nll(tiny, tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 512, 5 * 24 + 7).astype(np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    got = heldout.perplexity(tiny["model"], tmp_path / "tokens.npy", seq_len=24, batch_size=2)
+    rows = np.stack([tokens[i * 24 : i * 24 + 25] for i in range(5)])  # the last 6 tokens unused
+    nll = _direct_nll(tiny["model"], rows)
+    assert got["tokens"] == nll.size == 5 * 24
+    np.testing.assert_allclose(got["perplexity"], np.exp(nll.mean()), rtol=1e-5)
+
+
+def test_loglikelihoods_equal_direct_computation(tiny):
+    rng = np.random.default_rng(1)
+    requests = [
+        (rng.integers(0, 512, n).tolist(), rng.integers(0, 512, m).tolist())
+        for n, m in ((5, 3), (40, 1), (1, 7), (70, 2), (12, 12))
+    ]
+    got = text_model.loglikelihoods(tiny["model"], requests, batch_size=2)
+    for (context, continuation), (logprob, greedy) in zip(requests, got, strict=True):
+        row = np.asarray(context + continuation)
+        logp = _log_softmax(np.asarray(lm_logits(tiny["model"], row[None, :-1]))[0, :, :512])
+        span = np.arange(len(context) - 1, len(row) - 1)
+        np.testing.assert_allclose(logprob, logp[span, row[span + 1]].sum(), **TOL)
+        assert greedy == bool(np.all(logp[span].argmax(-1) == row[span + 1]))
+    assert not any(g for _, g in got)  # random continuations
+    greedy_cont = [
+        int(np.asarray(lm_logits(tiny["model"], np.asarray([[7, 8, 9]])))[0, -1, :512].argmax())
+    ]
+    assert text_model.loglikelihoods(tiny["model"], [([7, 8, 9], greedy_cont)])[0][1]
+
+
+def test_complete_matches_generate_per_prompt(tiny):
+    tokenizer = text.load_tokenizer(tiny["ckpt"])
+    prompts = ["The import statement", "Comparisons", "A class definition defines a class object"]
+    texts = text_model.complete(tiny["model"], tokenizer, prompts, 6, batch_size=2)
+    from hax_jax.generate import generate
+
+    for prompt, completion in zip(prompts, texts, strict=True):
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        alone = generate(tiny["model"], np.asarray([ids]), 6, stop_tokens=[0])
+        expected = [t for t in alone.tokens[0, : alone.lengths[0]].tolist() if t != 0]
+        assert completion == tokenizer.decode(expected)
+
+
+def test_eval_cli_perplexity_on_text_and_table(tiny, tmp_path, capsys):
+    small = tmp_path / "small.txt"
+    small.write_text(tiny["corpus"].read_text()[:4000])
+    out = tmp_path / "results.json"
+    args = [str(tiny["ckpt"]), "--tasks", "perplexity", "--data", str(small), "--lengths", "32,64"]
+    results = eval_cli.main([*args, "--output", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert set(results["perplexity"]) == {"32", "64"}
+    assert 1.0 < results["perplexity"]["64"]["perplexity"] < 512 * 4
+    assert "perplexity/64/perplexity" in capsys.readouterr().out
+
+
+def test_recall_tasks_equal_the_paper_metric(tiny):
+    cfg = Config(model=tiny["model"].cfg)
+    overrides = ["data.joint_recall.valid_size=12", "data.mqar.valid_size=12", "data.seq_len=64"]
+    overrides.append("data.mqar.num_kv_pairs=8")
+    cfg = eval_cli.config_lib.apply_overrides(cfg, overrides)
+    got = heldout.recall(tiny["model"], cfg, "joint_recall", batch_size=5)
+    source = pipeline.make_source(cfg, "valid", "")
+    accs = []
+    for i in range(len(source)):
+        row = source[i]
+        pred = np.asarray(lm_logits(tiny["model"], row["inputs"][None]))[0].argmax(-1)
+        mask = row["loss_mask"].astype(bool)
+        accs.append(np.mean(pred[mask] == row["labels"][mask]))
+    assert got["examples"] == 12
+    np.testing.assert_allclose(got["accuracy"], np.mean(accs), rtol=1e-6)
+    mqar = heldout.recall(tiny["model"], cfg, "mqar", split="test", batch_size=5)
+    assert mqar["examples"] == 12 and 0.0 <= mqar["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--tasks", "bogus"], "unknown task 'bogus'"),
+        (["--tasks", "perplexity"], "needs --data FILE"),
+        (["--tasks", "joint_recall", "model.d_model=8"], "data.\\* overrides only"),
+        (["--tasks", "joint_recall", "--lengths", "0"], "positive integers, got '0'"),
+        (["--tasks", "joint_recall", "--split", "train"], "split='train'"),
+    ],
+)
+def test_eval_cli_errors_name_the_value(tiny, argv, match):
+    with pytest.raises(ValueError, match=match):
+        eval_cli.main([str(tiny["ckpt"]), *argv])
+
+
+def test_text_task_without_tokenizer_is_a_clear_error(tiny, tmp_path):
+    bare = tmp_path / "bare"
+    save_pretrained(tiny["model"], bare)
+    with pytest.raises(ValueError, match="task 'niah_single_1' needs text, but the model has no"):
+        eval_cli.main([str(bare), "--tasks", "niah_single_1", "--lengths", "512"])
+
+
+def test_decoding_long_ruler_prompts_on_cpu(tiny, tmp_path):
+    results = eval_cli.main(
+        [str(tiny["ckpt"]), "--tasks", "niah_single_1", "--lengths", "4096", "--num-examples", "2"]
+    )
+    assert results["niah_single_1"]["4096"]["examples"] == 2
+    assert 0.0 <= results["niah_single_1"]["score"] <= 100.0
+
+
+def test_workdir_eval_reads_the_best_checkpoint(tmp_path):
+    workdir = tmp_path / "run"
+    overrides = [
+        f"workdir={workdir}",
+        "train.num_steps=2",
+        "train.eval_every=2",
+        "train.progress=false",
+        "data.batch_size=4",
+        "data.joint_recall.valid_size=8",
+        "data.joint_recall.eval_batches=0",
+        "model.block_pattern=mamba2",
+        "model.n_layer=1",
+    ]
+    logged = _script("train").main([str(ROOT / "configs/tiny.py"), *overrides])
+    results = eval_cli.main([str(workdir), "--tasks", "joint_recall", "--batch-size", "4"])
+    got = results["joint_recall"]
+    np.testing.assert_allclose(got["accuracy"], logged["valid_accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(got["loss"], logged["valid_loss"], rtol=1e-5)
