@@ -173,3 +173,50 @@ def test_workdir_eval_reads_the_best_checkpoint(tmp_path):
     got = results["joint_recall"]
     np.testing.assert_allclose(got["accuracy"], logged["valid_accuracy"], rtol=1e-6)
     np.testing.assert_allclose(got["loss"], logged["valid_loss"], rtol=1e-5)
+
+
+def test_converted_model_perplexity_equals_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    from hf_models import hf_mamba2
+
+    from hax_jax import convert
+
+    hf = hf_mamba2(tmp_path)
+    hf.save_pretrained(tmp_path / "hf")
+    convert.main([str(tmp_path / "hf"), str(tmp_path / "ckpt")])
+    tokens = np.random.default_rng(3).integers(0, 64, 4 * 21 + 5).astype(np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    argv = ["--tasks", "perplexity", "--data", str(tmp_path / "tokens.npy"), "--lengths", "21"]
+    ours = eval_cli.main([str(tmp_path / "ckpt"), *argv, "--batch-size", "3"])
+    rows = torch.from_numpy(
+        np.stack([tokens[i * 21 : i * 21 + 22] for i in range(4)]).astype(np.int64)
+    )
+    with torch.no_grad():
+        logits = hf(rows[:, :-1]).logits.double()
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)
+    )
+    np.testing.assert_allclose(
+        ours["perplexity"]["21"]["perplexity"], float(torch.exp(nll)), rtol=1e-4
+    )
+
+
+def test_eval_cli_longbench_file(tiny, tmp_path):
+    rows = [
+        {
+            "input": "Who wrote it?",
+            "context": "Guido wrote Python. " * 30,
+            "answers": ["Guido"],
+            "dataset": "hotpotqa",
+            "all_classes": None,
+            "length": 100,
+            "_id": str(i),
+        }
+        for i in range(3)
+    ]
+    path = tmp_path / "hotpotqa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--tasks", "longbench", "--longbench", str(path), "--lengths", "128"]
+    results = eval_cli.main([str(tiny["ckpt"]), *argv])
+    assert results["longbench"]["hotpotqa"]["examples"] == 3
+    assert results["longbench"]["hotpotqa"]["truncated"] == 3  # the context is longer than 128
