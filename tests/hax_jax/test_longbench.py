@@ -3,8 +3,8 @@
 import json
 
 import pytest
+from text_models import pydoc_tokenizer
 
-from hax_jax.data import text
 from hax_jax.evals import longbench as lb
 
 TREC_CLASSES = ["Abbreviation", "Animal", "Color", "Other entity", "entity"]
@@ -14,10 +14,7 @@ CODE_LINE = "    return total + 1"
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A 1000-id BPE trained on the pydoc topics text."""
-    root = tmp_path_factory.mktemp("longbench_tok")
-    text.write_pydoc_topics(root / "topics.txt")
-    text.train_tokenizer([root / "topics.txt"], root / "tok", 1000)
-    return text.load_tokenizer(root / "tok")
+    return pydoc_tokenizer(tmp_path_factory.mktemp("longbench_tok"), 1000)[0]
 
 
 def _write(path, records):

@@ -7,8 +7,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from text_models import pydoc_tokenizer
 
-from hax_jax.data import ruler, text
+from hax_jax.data import ruler
 from hax_jax.evals import ruler as ruler_eval
 
 SYNTHETIC = [task for task in ruler.TASKS if task != "qa"]
@@ -69,10 +70,7 @@ HOTPOT = [
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(tokenizer, topics text file): a 1000-id BPE trained on the pydoc topics."""
-    tmp = tmp_path_factory.mktemp("ruler")
-    topics = text.write_pydoc_topics(tmp / "topics.txt")
-    text.train_tokenizer([topics], tmp / "tok", 1000)
-    return text.load_tokenizer(tmp / "tok"), topics
+    return pydoc_tokenizer(tmp_path_factory.mktemp("ruler"), 1000)
 
 
 def count(tokenizer, prompt: str) -> int:

@@ -12,11 +12,17 @@ from hax_jax.data import text
 from hax_jax.models.lm import LanguageModel
 
 
+def pydoc_tokenizer(root: Path, vocab_size: int):
+    """(a BPE of vocab_size ids trained on pydoc's topics, the topics text file), both under root."""
+    corpus = text.write_pydoc_topics(root / "topics.txt")
+    text.train_tokenizer([corpus], root / "tok", vocab_size)
+    return text.load_tokenizer(root / "tok"), corpus
+
+
 def tiny_text_model(root: Path) -> dict:
     """A perturbed 2-layer Mamba-2 over a 512-token BPE of pydoc's topics, saved in root/ckpt with
     its tokenizer.json: {"model", "ckpt", "corpus", "tokenizer"}."""
-    corpus = text.write_pydoc_topics(root / "topics.txt")
-    text.train_tokenizer([corpus], root / "tok", 512)
+    tokenizer, corpus = pydoc_tokenizer(root, 512)
     cfg = ModelConfig(
         d_model=32,
         n_layer=2,
@@ -31,5 +37,5 @@ def tiny_text_model(root: Path) -> dict:
         "model": model,
         "ckpt": root / "ckpt",
         "corpus": corpus,
-        "tokenizer": text.load_tokenizer(root / "tok"),
+        "tokenizer": tokenizer,
     }
