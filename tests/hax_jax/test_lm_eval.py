@@ -129,20 +129,18 @@ def test_generate_until_is_greedy_generation_cut_at_newline(run):
     assert "exact_match,none" in run["out"]["results"]["hax_gen"]
 
 
-def test_lm_eval_command_line_runs_the_registered_model(run, tmp_path):
+def test_lm_eval_command_line_runs_the_registered_model(run, tmp_path, monkeypatch):
     """hax-jax-lm-eval = lm_eval's own command line, with the hax_jax model registered."""
-    import subprocess
-    import sys
+    from hax_jax.evals.lm_eval_adapter import cli
 
     tasks = run["ckpt"].parent / "tasks"
-    code = "from hax_jax.evals.lm_eval_adapter import cli; cli()"
-    argv = ["--model", "hax_jax", "--model_args", f"path={run['ckpt']},max_length=64"]
-    argv += ["--tasks", "hax_mc", "--include_path", str(tasks), "--output_path", str(tmp_path)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    argv = ["hax-jax-lm-eval", "--model", "hax_jax"]
+    argv += ["--model_args", f"path={run['ckpt']},max_length=64", "--tasks", "hax_mc"]
+    argv += ["--include_path", str(tasks), "--output_path", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit) as done:
+        cli()
+    assert not done.value.code
     written = json.loads(next(tmp_path.rglob("results*.json")).read_text())
     expected = run["out"]["results"]["hax_mc"]["acc,none"]
     assert written["results"]["hax_mc"]["acc,none"] == expected
