@@ -19,6 +19,7 @@ from hax_jax.sharding import linear_axes
 from pallas_kernels.sparse_attention import (
     SparseAttentionCache,
     init_cache,
+    prefill_cache,
     sparse_attention,
     sparse_attention_step,
 )
@@ -140,21 +141,25 @@ class HaxBranch(nnx.Module):
         q, k = self._qk(x)
         hash_rng, rank_rng = (None, None) if rng is None else jax.random.split(rng)
         scores = self._key_scores(q, k)
-        o = sparse_attention(
+        o = self._attend(q, k, x, self._hash_proj(hash_rng), scores)
+        if rng is not None and scores is not None:
+            self.sow(nnx.Intermediate, "rank_loss", self._rank_loss(scores, q, k, mask, rank_rng))
+        return o * self.E[...].astype(o.dtype)
+
+    def _attend(self, q, k, x, hash_proj, scores) -> jax.Array:
+        """The sub-quadratic op: q, k (b, l, N), V = x (b, l, e), scores (b, l) -> o (b, l, e)."""
+        return sparse_attention(
             q,
             k,
             x,
             pattern=self.cfg.pattern,
             num_keys=self.cfg.num_keys,
-            hash_proj=self._hash_proj(hash_rng),
+            hash_proj=hash_proj,
             key_scores=None if scores is None else jax.lax.stop_gradient(scores),
             max_len=self.cfg.max_len,
             binning=self.cfg.binning,
             official_code=self.cfg.official_code,
         )
-        if rng is not None and scores is not None:
-            self.sow(nnx.Intermediate, "rank_loss", self._rank_loss(scores, q, k, mask, rank_rng))
-        return o * self.E[...].astype(o.dtype)
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:
         """Samples kc candidate keys per sequence uniformly without replacement (never padding) and ranks them."""
@@ -167,11 +172,42 @@ class HaxBranch(nnx.Module):
         return ranking_loss(scores, q, k, candidates, mask)
 
     def forward(self, x: jax.Array, cache, *, mask=None, rng=None):
-        """Parallel mode inside a mixer: the sub-quadratic op without a cache (training), else the step scan
-        from the mixer cache's `sparse` part (prefill). Returns (o * E, the new sparse cache or None)."""
+        """Parallel mode inside a mixer, x (b, l, e) -> (o * E, the sparse cache or None).
+
+        Without a cache: the sub-quadratic op (training). From a fresh cache (t concretely 0, as
+        an init_cache made inside the jit has): `prefill`, the same op in eval mode plus the cache
+        built in parallel. Else (a continued, chunked prefill, or a t traced across a jit
+        boundary): the step scan from the mixer cache's `sparse` part.
+        """
         if cache is None:
             return self(x, mask=mask, rng=rng), None
-        return self.scan(x, self.decode_cache(cache))
+        sparse = self.decode_cache(cache)
+        _check_capacity(x.shape[1], sparse)
+        # official_code has no step mode: the scan keeps raising its error.
+        if _is_fresh(sparse) and not self.cfg.official_code:
+            return self.prefill(x, sparse)
+        return self.scan(x, sparse)
+
+    def prefill(self, x: jax.Array, cache: SparseAttentionCache):
+        """From an empty cache: x (b, l, e) -> (o * E (b, l, e), cache after x) as the step scan
+        gives them, but from the parallel op (eval mode) and `prefill_cache`: no loop over tokens."""
+        q, k = self._qk(x)
+        scores = self._key_scores(q, k)
+        hash_proj = self._hash_proj(None)
+        o = self._attend(q, k, x, hash_proj, scores)
+        cache = prefill_cache(
+            q,
+            k,
+            x,
+            cache,
+            pattern=self.cfg.pattern,
+            num_keys=self.cfg.num_keys,
+            hash_proj=hash_proj,
+            key_scores=scores,
+            max_len=self.cfg.max_len,
+            binning=self.cfg.binning,
+        )
+        return o * self.E[...].astype(o.dtype), cache
 
     # ------------------------------------------------------------------ decode
 
@@ -230,6 +266,22 @@ class HaxBranch(nnx.Module):
 
         cache, o_lbe = jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
         return jnp.moveaxis(o_lbe, 0, 1), cache
+
+
+def _is_fresh(cache: SparseAttentionCache) -> bool:
+    """Whether the cache is known to be empty: t concrete (not a jit tracer) and 0."""
+    return not isinstance(cache.t, jax.core.Tracer) and int(cache.t) == 0
+
+
+def _check_capacity(l: int, cache: SparseAttentionCache) -> None:
+    """ValueError naming both when l more tokens do not fit the cache (the step would give NaN)."""
+    capacity = cache.keys.shape[1]
+    t = 0 if isinstance(cache.t, jax.core.Tracer) else int(cache.t)  # a traced t: at least 0
+    if t + l > capacity:
+        raise ValueError(
+            f"prefill of l = {l} tokens after t = {t} does not fit the sparse cache's "
+            f"capacity = {capacity}: pass a larger capacity to model.init_cache(batch, capacity)"
+        )
 
 
 def init_qk_from_bc(x_proj_kernel: jax.Array, *, dt_rank: int, d_state: int) -> jax.Array:

@@ -1,6 +1,12 @@
 """HAX context-dependent sparse attention (sw / sink / dilated / lsh / ks / full), with decode."""
 
-from .ops import init_cache, parse_pattern, sparse_attention, sparse_attention_step
+from .ops import (
+    init_cache,
+    parse_pattern,
+    prefill_cache,
+    sparse_attention,
+    sparse_attention_step,
+)
 from .reference import (
     lsh_buckets,
     official_lsh_inputs,
@@ -16,6 +22,7 @@ __all__ = [
     "lsh_buckets",
     "official_lsh_inputs",
     "parse_pattern",
+    "prefill_cache",
     "running_mean",
     "sparse_attention",
     "sparse_attention_mask",

@@ -1,4 +1,5 @@
-"""Public HAX sparse attention: input checks, the parallel op, the cache and the decode step."""
+"""Public HAX sparse attention: input checks, the parallel op, the cache, the decode step and the
+parallel prefill of a cache."""
 
 import functools
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 
 from ..checks import check_float, check_shape
 from .indexed import sparse_attention_indexed
+from .prefill import prefill_arrays
 from .reference import BINNINGS, COMPONENTS, component_budget, sparse_attention_reference
 from .step import SparseAttentionCache, init_cache_arrays, step_arrays
 
@@ -237,6 +239,73 @@ def sparse_attention_step(
         num_keys=num_keys,
         hash_proj=hash_proj,
         key_score=key_score,
+        max_len=max_len,
+        binning=binning,
+    )
+
+
+def _check_cache(cache, b, n, e, comps, kc, hash_proj, binning):
+    """The cache is a SparseAttentionCache for batch b, key dim n, value dim e and this pattern."""
+    if not isinstance(cache, SparseAttentionCache):
+        raise ValueError(f"cache must be a SparseAttentionCache, got {type(cache).__name__}")
+    capacity = cache.keys.shape[1]
+    check_shape("cache.keys", cache.keys, (b, capacity, n), "(b, capacity, n)")
+    check_shape("cache.values", cache.values, (b, capacity, e), "(b, capacity, e)")
+    if "lsh" in comps:
+        buckets = 2 ** hash_proj.shape[1] if binning == "sign" else hash_proj.shape[1]
+        check_shape("cache.lsh_table", cache.lsh_table, (b, buckets, kc), "(b, n_buckets, kc)")
+    if "ks" in comps:
+        check_shape("cache.ks_scores", cache.ks_scores, (b, kc), "(b, kc)")
+
+
+_prefill_jit = jax.jit(
+    prefill_arrays, static_argnames=("pattern", "num_keys", "max_len", "binning")
+)
+
+
+def prefill_cache(
+    q,
+    k,
+    v,
+    cache,
+    *,
+    pattern,
+    num_keys,
+    hash_proj=None,
+    key_scores=None,
+    max_len=None,
+    binning="sign",
+):
+    """The cache after positions 0..l-1 from an EMPTY cache, built in parallel: the same cache as
+    l calls of `sparse_attention_step` (to rounding in the fp32 sums; the LSH buckets are the
+    parallel op's, which the step's equal up to that rounding).
+
+    q, k (b, l, n); v (b, l, e); key_scores (b, l) for ks: key j's score as the step would get
+    it (the parallel op's key_scores); cache from `init_cache`, capacity >= l. ValueError
+    naming both when l > capacity, and naming t when cache.t is concrete and not 0; a traced
+    t cannot be checked and is taken to be 0. O(l log l) time, no (l, l) array. Pair it with
+    `sparse_attention(q, k, v, ...)` for the prompt's outputs.
+    """
+    comps = _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binning)
+    b, l, n = q.shape
+    kc = component_budget(pattern, num_keys)
+    _check_cache(cache, b, n, v.shape[-1], comps, kc, hash_proj, binning)
+    capacity = cache.keys.shape[1]
+    if l > capacity:
+        raise ValueError(f"the prompt (l = {l}) does not fit the cache (capacity = {capacity})")
+    if not isinstance(cache.t, jax.core.Tracer) and int(cache.t) != 0:
+        raise ValueError(
+            f"prefill_cache starts from an empty cache (t = 0), got t = {int(cache.t)}"
+        )
+    return _prefill_jit(
+        q,
+        k,
+        v,
+        cache,
+        pattern=pattern,
+        num_keys=num_keys,
+        hash_proj=hash_proj,
+        key_scores=key_scores,
         max_len=max_len,
         binning=binning,
     )

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .indexed import dedupe, gather_rows, softmax_attend
 from .reference import (
@@ -30,7 +31,8 @@ class SparseAttentionCache(NamedTuple):
     """Decode state of `sparse_attention_step`.
 
     keys (b, capacity, n), values (b, capacity, e): rows 0..t-1 written so far.
-    t: int32 scalar, the number of positions seen = the position the next step writes.
+    t: int32 scalar, the number of positions seen = the position the next step writes; a
+        NumPy zero in a fresh cache (concrete even under jit), a jax array after a step.
     q_sum, k_sum (b, n) fp32: sums of all queries / keys seen BEFORE the next step (positions
         0..t-1); the running means for the LSH centring are (sum + x_t) / (t + 1). A caller may
         read q_sum to reproduce the centring.
@@ -59,7 +61,9 @@ def init_cache_arrays(batch, capacity, n, e, *, pattern, num_keys, hash_bits, bi
     return SparseAttentionCache(
         keys=jnp.zeros((batch, capacity, n), dtype),
         values=jnp.zeros((batch, capacity, e), dtype),
-        t=jnp.zeros((), jnp.int32),
+        # NumPy, not jnp: a cache made inside a traced function still has a concrete t = 0, which
+        # tells a prefill that it may build the cache in parallel (see ops.prefill_cache).
+        t=np.zeros((), np.int32),
         q_sum=jnp.zeros((batch, n), jnp.float32),
         k_sum=jnp.zeros((batch, n), jnp.float32),
         lsh_table=jnp.full(lsh_shape, -1, jnp.int32),

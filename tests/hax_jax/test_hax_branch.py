@@ -7,22 +7,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig, SparseConfig
-from hax_jax.layers.hax_attention import init_qk_from_bc, ranking_loss
-from hax_jax.models.blocks import MIXERS
-from hax_jax.models.lm import LanguageModel, rank_loss_sum
 from mixer_testing import (
     lm_logits,
     lm_prefill_then_decode,
     perturbed,
-    prefill_then_decode,
     random_inputs,
     run_parallel,
+    run_step,
 )
+
+from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig, SparseConfig
+from hax_jax.layers.hax_attention import HaxBranch, init_qk_from_bc, ranking_loss
+from hax_jax.models.blocks import MIXERS
+from hax_jax.models.lm import LanguageModel, rank_loss_sum
 
 TOL = dict(atol=2e-5, rtol=2e-5)  # fp32
 PATTERNS = ["lsh+ks", "lsh", "ks", "sw+sink", "sw+dilated", "full"]
+CAPACITY = 32  # small: the step scan of "full" reads every row of the cache per token
 
 
 def _cfg(kind: str, pattern: str, **sparse) -> ModelConfig:
@@ -34,9 +35,7 @@ def _cfg(kind: str, pattern: str, **sparse) -> ModelConfig:
         block_pattern=(kind,),
         mamba=MambaConfig(d_state=8),
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8),
-        sparse=SparseConfig(
-            pattern=pattern, num_keys=8, hash_bits=3, max_len=32, **sparse
-        ),
+        sparse=SparseConfig(pattern=pattern, num_keys=8, hash_bits=3, max_len=32, **sparse),
     )
 
 
@@ -47,15 +46,104 @@ def _mixer(kind: str, pattern: str, seed: int = 0, **sparse):
     )
 
 
+def _record_paths(monkeypatch) -> list:
+    """Record the path HaxBranch.forward takes from a cache, per trace: "prefill" (parallel) or
+    "scan" (the step over every token)."""
+    calls = []
+    for name in ("prefill", "scan"):
+        original = getattr(HaxBranch, name)
+
+        def recorded(self, *args, _name=name, _original=original):
+            """Note the path, then take it."""
+            calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(HaxBranch, name, recorded)
+    return calls
+
+
+def _assert_sparse_caches_equal(actual, desired):
+    """Every field of two SparseAttentionCaches: positions exactly; keys, values, sums and scores
+    (projected and summed in another order) to rounding."""
+    for name in desired._fields:
+        a, d = np.asarray(getattr(actual, name)), np.asarray(getattr(desired, name))
+        assert (a.shape, a.dtype) == (d.shape, d.dtype), name
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, d, **TOL, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, d, err_msg=name)
+
+
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_step_equals_parallel(kind, pattern):
+def test_step_equals_parallel(kind, pattern, monkeypatch):
     mixer = _mixer(kind, pattern)
     u = random_inputs(l=29, d=16)
     full, _ = run_parallel(mixer, u)  # the sub-quadratic parallel op
-    # A prefill from init_cache (the step scan), then one token at a time.
-    decoded, _ = prefill_then_decode(mixer, u, prefix=9, cache=mixer.init_cache(u.shape[0]))
-    np.testing.assert_allclose(decoded, full, **TOL)
+    calls = _record_paths(monkeypatch)
+    # A prefill from a cache made inside the jit (fresh: the parallel path), then one token at a
+    # time. (jitted here, not at module level, so that every test traces and records its path.)
+    prefill = nnx.jit(lambda mixer, u: mixer(u, cache=mixer.init_cache(u.shape[0], CAPACITY)))
+    y, cache = prefill(mixer, u[:, :9])
+    assert calls == ["prefill"]
+    decoded = [y]
+    for t in range(9, u.shape[1]):
+        y_t, cache = run_step(mixer, u[:, t], cache)
+        decoded.append(y_t[:, None])
+    np.testing.assert_allclose(jnp.concatenate(decoded, 1), full, **TOL)
+
+
+@pytest.mark.parametrize("pattern", ["lsh+ks", "ks", "sw+dilated"])
+def test_fresh_prefill_equals_the_step_scan(pattern, monkeypatch):
+    """The branch's parallel prefill from a fresh cache (made inside the jit: t concretely 0)
+    gives the step scan's outputs and cache; a cache passed into the jit (t traced, so not known
+    to be fresh) still takes the scan."""
+    mixer = _mixer("mamba2", pattern)
+    x = random_inputs(l=29, d=mixer.d_inner, seed=1)
+    calls = _record_paths(monkeypatch)
+
+    @nnx.jit
+    def both(mixer, x, passed):
+        """(fresh prefill, prefill from the passed cache)."""
+        fresh = mixer.branch.forward(x, mixer.init_cache(x.shape[0], CAPACITY))
+        return fresh, mixer.branch.forward(x, passed)
+
+    (o, cache), (o_scan, cache_scan) = both(mixer, x, mixer.init_cache(x.shape[0], CAPACITY))
+    assert calls == ["prefill", "scan"]
+    np.testing.assert_allclose(o, o_scan, **TOL)
+    _assert_sparse_caches_equal(cache, cache_scan)
+
+
+def test_chunked_prefill_continues_with_the_step_scan(monkeypatch):
+    """A prefill of 9 tokens from a fresh cache (parallel), then 7 more from the cache it returns
+    (not fresh: the step scan) equals one fresh prefill of all 16, outputs and cache."""
+    mixer = _mixer("mamba2", "lsh+ks")
+    u = random_inputs(l=16, d=16, seed=2)
+    calls = _record_paths(monkeypatch)
+
+    @nnx.jit
+    def prefills(mixer, u):
+        """(9 then 7 tokens, all 16 at once), each as (y, cache)."""
+        y_a, cache = mixer(u[:, :9], cache=mixer.init_cache(u.shape[0], CAPACITY))
+        y_b, cache = mixer(u[:, 9:], cache=cache)
+        whole = mixer(u, cache=mixer.init_cache(u.shape[0], CAPACITY))
+        return (jnp.concatenate([y_a, y_b], 1), cache), whole
+
+    (y, cache), (y_whole, cache_whole) = prefills(mixer, u)
+    assert calls == ["prefill", "scan", "prefill"]
+    np.testing.assert_allclose(y, y_whole, **TOL)
+    for a, d in zip(cache[:-1], cache_whole[:-1]):  # conv and SSM states
+        np.testing.assert_allclose(a, d, **TOL)
+    _assert_sparse_caches_equal(cache.sparse, cache_whole.sparse)
+
+
+def test_prefill_past_capacity_raises():
+    """A prompt longer than the cache's capacity is a ValueError naming both (the step scan
+    would give NaN from there on)."""
+    mixer = _mixer("mamba2", "lsh+ks")
+    x = random_inputs(l=9, d=mixer.d_inner)
+    with pytest.raises(ValueError, match="l = 9 tokens after t = 0 .* capacity = 8"):
+        mixer.branch.forward(x, mixer.init_cache(x.shape[0], 8))
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])

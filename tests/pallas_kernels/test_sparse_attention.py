@@ -11,6 +11,7 @@ import pytest
 from pallas_kernels.sparse_attention import (
     init_cache,
     lsh_buckets,
+    prefill_cache,
     running_mean,
     sparse_attention,
     sparse_attention_mask,
@@ -236,6 +237,92 @@ def test_step_capacity():
     assert np.all(np.isnan(o))
 
 
+# ---- prefill: the cache after a prompt, built in parallel ----------------------------------
+
+PREFILL_CASES = [
+    ("lsh", "sign"),
+    ("lsh", "argmax"),
+    ("ks", "sign"),
+    ("lsh+ks", "sign"),
+    ("sw+sink", "sign"),
+    ("sw+dilated", "sign"),
+    ("full", "sign"),
+]
+
+
+def assert_caches_equal(actual, desired):
+    """Every field: the same shape and dtype; ints, keys, values and scores exactly, the fp32
+    sums (summed in another order) to rounding."""
+    for name in desired._fields:
+        a, d = np.asarray(getattr(actual, name)), np.asarray(getattr(desired, name))
+        assert (a.shape, a.dtype) == (d.shape, d.dtype), name
+        if name in ("q_sum", "k_sum"):
+            np.testing.assert_allclose(a, d, **TOL[jnp.float32], err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, d, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "pattern, binning", PREFILL_CASES, ids=[f"{p}-{b}" for p, b in PREFILL_CASES]
+)
+def test_prefill_cache_equals_steps(pattern, binning):
+    """prefill_cache from an empty cache is the cache l steps leave (l = 1, 7, 29), with key
+    scores holding many ties and a -inf (which the step never keeps); decoding on from either
+    cache gives the same outputs."""
+    capacity, num_keys, more = 32, 8, 3
+    static = dict(pattern=pattern, num_keys=num_keys, max_len=MAX_LEN, binning=binning)
+    inputs = make_inputs(capacity, seed=11)  # key scores: small integers, many ties
+    inputs["key_scores"] = inputs["key_scores"].at[:, 2].set(-jnp.inf)
+    empty = init_cache(
+        B_, capacity, N_, E_, pattern=pattern, num_keys=num_keys, hash_bits=H_, binning=binning
+    )
+    hash_proj = inputs["hash_proj"]
+
+    def step(t, cache):
+        """Position t's token through the step (jitted once per cache shape)."""
+        q, k, v, score = (inputs[name][:, t] for name in ("q", "k", "v", "key_scores"))
+        return sparse_attention_step(q, k, v, cache, hash_proj=hash_proj, key_score=score, **static)
+
+    outs, stepped, cache = [], [], empty
+    for t in range(capacity):
+        o, cache = step(t, cache)
+        outs.append(o)
+        stepped.append(cache)
+    for l in (1, 7, 29):
+        prompt = {name: inputs[name][:, :l] for name in ("q", "k", "v", "key_scores")}
+        cache = prefill_cache(**prompt, cache=empty, hash_proj=hash_proj, **static)
+        assert_caches_equal(cache, stepped[l - 1])
+        for t in range(l, l + more):
+            o, cache = step(t, cache)
+            assert_close(o, outs[t], TOL[jnp.float32])
+        assert_caches_equal(cache, stepped[l + more - 1])
+
+
+def test_prefill_cache_checks():
+    """A fresh cache's t is a NumPy zero, concrete even under a trace (what tells a model's
+    prefill that it may build the cache in parallel); a prompt of exactly the capacity fills
+    it; a longer one, or a cache already written, is a ValueError naming it."""
+    inputs = make_inputs(5)
+    static = dict(pattern="sw+ks", num_keys=4)
+    seen = []
+    jax.make_jaxpr(lambda: seen.append(init_cache(B_, 4, N_, E_, **static).t))()
+    assert isinstance(seen[0], np.ndarray) and seen[0].dtype == np.int32 and seen[0] == 0
+    prompt = dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], key_scores=inputs["key_scores"])
+    full = prefill_cache(**prompt, cache=init_cache(B_, 5, N_, E_, **static), **static)
+    assert int(full.t) == 5 and np.all(np.asarray(full.ks_pos) >= 0)
+    with pytest.raises(ValueError, match="l = 5.*capacity = 4"):
+        prefill_cache(**prompt, cache=init_cache(B_, 4, N_, E_, **static), **static)
+    cache = init_cache(B_, 8, N_, E_, **static)
+    _, cache = sparse_attention_step(
+        *(inputs[name][:, 0] for name in "qkv"),
+        cache,
+        key_score=inputs["key_scores"][:, 0],
+        **static,
+    )
+    with pytest.raises(ValueError, match="empty cache \\(t = 0\\), got t = 1"):
+        prefill_cache(**prompt, cache=cache, **static)
+
+
 # ---- cost: no (l, l) array anywhere in the forward + backward program ----------------------
 
 
@@ -304,6 +391,24 @@ def test_lsh_ks_has_no_quadratic_array():
 
     assert big_shapes(jaxpr_of(sparse_attention), l // 2) == []
     assert (1, l, l) in big_shapes(jaxpr_of(sparse_attention_reference), l // 2)
+
+
+def test_prefill_cache_has_no_quadratic_array():
+    """prefill_cache with lsh+ks at l = 8192 holds no array with two axes >= l / 2."""
+    l = 8192
+    rng = np.random.default_rng(8)
+    q, k = (jnp.asarray(rng.standard_normal((1, l, 16)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, l, 32)), jnp.float32)
+    hash_proj = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    key_scores = jnp.asarray(rng.standard_normal((1, l)), jnp.float32)
+    static = dict(pattern="lsh+ks", num_keys=64, binning="sign")
+    cache = init_cache(1, l, 16, 32, hash_bits=8, **static)
+    jaxpr = jax.make_jaxpr(
+        lambda q, k, v: prefill_cache(
+            q, k, v, cache, hash_proj=hash_proj, key_scores=key_scores, **static
+        )
+    )(q, k, v)
+    assert big_shapes(jaxpr, l // 2) == []
 
 
 # ---- official_code=True ---------------------------------------------------------------------
