@@ -73,6 +73,19 @@ class _Loop(NamedTuple):
     done: jax.Array  # (b,) bool: stopped or full
 
 
+def _first_loop(t, logits, m: int, pad_id: int, return_logits: bool) -> _Loop:
+    """The loop before its first token: position t's logits (b, v), nothing generated yet."""
+    b, v = logits.shape
+    return _Loop(
+        t=t,
+        logits=logits,
+        out=jnp.full((b, m), pad_id, jnp.int32),
+        out_logits=jnp.zeros((b, m if return_logits else 0, v)),
+        count=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool),
+    )
+
+
 def _choose(loop: _Loop, prompts, lengths, key, stop, sampling: Sampling):
     """Position t's token for every row (its prompt's or a sample) and the loop's bookkeeping."""
     b, m = loop.out.shape
@@ -127,16 +140,9 @@ def _decode(
 ):
     """Steps from position `start` until every row has stopped or generated max_new_tokens."""
     model = nnx.merge(graphdef, state)
-    b, m = prompts.shape[0], max_new_tokens
+    m = max_new_tokens
     vocab = model.cfg.vocab_size
-    loop = _Loop(
-        t=start,
-        logits=_mask_vocab(logits, vocab),
-        out=jnp.full((b, m), pad_id, jnp.int32),
-        out_logits=jnp.zeros((b, m if return_logits else 0, logits.shape[-1])),
-        count=jnp.zeros((b,), jnp.int32),
-        done=jnp.zeros((b,), bool),
-    )
+    loop = _first_loop(start, _mask_vocab(logits, vocab), m, pad_id, return_logits)
 
     def body(carry):
         loop, cache = carry
@@ -225,19 +231,13 @@ def generate_reference(
     """
     prompts, lengths = _pack_prompts(model, tokens, mask, max_new_tokens)
     sampling = _sampling(temperature, top_k, top_p)
-    b, m, vocab = prompts.shape[0], max_new_tokens, model.cfg.padded_vocab_size
+    b, m = prompts.shape[0], max_new_tokens
     key, stop = jax.random.key(seed), jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
     graphdef, state = nnx.split(model)
     start = int(lengths.min())
     seq = jnp.zeros((b, prompts.shape[1] + m), jnp.int32).at[:, :start].set(prompts[:, :start])
-    loop = _Loop(
-        t=jnp.asarray(start, jnp.int32),
-        logits=_logits_at(graphdef, state, seq, start - 1),
-        out=jnp.full((b, m), pad_id, jnp.int32),
-        out_logits=jnp.zeros((b, m if return_logits else 0, vocab)),
-        count=jnp.zeros((b,), jnp.int32),
-        done=jnp.zeros((b,), bool),
-    )
+    logits = _logits_at(graphdef, state, seq, start - 1)
+    loop = _first_loop(jnp.asarray(start, jnp.int32), logits, m, pad_id, return_logits)
     prompts_j, lengths_j = jnp.asarray(prompts), jnp.asarray(lengths)
     while not bool(jnp.all(loop.done)):
         token, loop = _choose(loop, prompts_j, lengths_j, key, stop, sampling)

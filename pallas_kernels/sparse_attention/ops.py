@@ -219,15 +219,12 @@ def sparse_attention_step(
         check_float(name, arr)
     kc = component_budget(pattern, num_keys)
     _validate_hash_proj(comps, pattern, hash_proj, n, binning)
-    if "lsh" in comps:
-        buckets = 2 ** hash_proj.shape[1] if binning == "sign" else hash_proj.shape[1]
-        check_shape("cache.lsh_table", cache.lsh_table, (b, buckets, kc), "(b, n_buckets, kc)")
+    _check_cache(cache, b, n, e, comps, kc, hash_proj, binning)
     if "ks" in comps:
         if key_score is None:
             raise ValueError(f"key_score (b,) is required by 'ks' in pattern {pattern!r}")
         check_shape("key_score", key_score, (b,), "(b,)")
         check_float("key_score", key_score)
-        check_shape("cache.ks_scores", cache.ks_scores, (b, kc), "(b, kc)")
     if not isinstance(cache.t, jax.core.Tracer) and int(cache.t) >= capacity:
         raise ValueError(f"cache is full: t = {int(cache.t)} reached capacity = {capacity}")
     return _step_jit(
