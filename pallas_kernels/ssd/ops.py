@@ -5,11 +5,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .. import backend
 from ..checks import check_float, check_shape
+from . import kernel
 from .chunked import ssd_chunked
 from .reference import ssd_reference, ssd_sequential
 
-IMPLS = ("chunked", "reference", "sequential")
+IMPLS = ("chunked", "pallas", "reference", "sequential")
 
 
 def _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl):
@@ -45,7 +47,63 @@ def _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl):
     return b, l, h, p, g, n
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "return_final_state", "impl"))
+def _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant):
+    """What the Pallas kernels need beyond the op's contract."""
+    backend.check_variant(variant)
+    for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D),
+                      ("initial_state", initial_state)):  # fmt: skip
+        if arr is not None and arr.dtype == jnp.float64:
+            raise ValueError(f"impl='pallas' computes in fp32; {name} is float64")
+    if variant == "gpu" and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        raise ValueError(
+            f"impl='pallas' on the gpu variant needs chunk_size a power of two >= 16, "
+            f"got {chunk_size}"
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, interpret, tile,
+                num_warps):  # fmt: skip
+    """(y, final state) by the Pallas kernels, differentiable through the hand-written backward."""
+    y, final, _ = kernel.forward(
+        x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
+        interpret=interpret, tile=tile, num_warps=num_warps,
+    )  # fmt: skip
+    return y, final
+
+
+def _ssd_pallas_fwd(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, interpret,
+                    tile, num_warps):  # fmt: skip
+    y, final, h_in = kernel.forward(
+        x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
+        interpret=interpret, tile=tile, num_warps=num_warps,
+    )  # fmt: skip
+    return (y, final), (x, dt, A, B, C, D, initial_state, seq_idx, h_in)
+
+
+def _ssd_pallas_bwd(chunk_size, variant, interpret, tile, num_warps, residuals, cotangents):
+    x, dt, A, B, C, D, initial_state, seq_idx, h_in = residuals
+    dy, dfinal = cotangents
+    dx, ddt, dA, dB, dC, dD, dh0 = kernel.backward(
+        x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, chunk_size=chunk_size,
+        variant=variant, interpret=interpret, tile=tile, num_warps=num_warps,
+    )  # fmt: skip
+    cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
+    return (
+        cast(dx, x), cast(ddt, dt), cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D),
+        cast(dh0, initial_state), None,
+    )  # fmt: skip
+
+
+_ssd_pallas.defvjp(_ssd_pallas_fwd, _ssd_pallas_bwd)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "chunk_size", "return_final_state", "impl", "variant", "interpret", "tile", "num_warps"
+    ),
+)  # fmt: skip
 def ssd(
     x,
     dt,
@@ -59,6 +117,10 @@ def ssd(
     return_final_state=False,
     seq_idx=None,
     impl="chunked",
+    variant=None,
+    interpret=None,
+    tile=None,
+    num_warps=4,
 ):
     """Mamba-2 SSD: y, or (y, final_state) if return_final_state.
 
@@ -74,8 +136,12 @@ def ssd(
     start unless it is also the first run). No state crosses a change of seq_idx.
     Computes in fp32 (fp64 inputs stay fp64); y in x.dtype, final_state (b, h, p, n) in the
     compute dtype. impl: "chunked" (Mamba-2 chunked algorithm, `chunk_size` a positive int),
-    "reference" (quadratic form, O(l^2)) or "sequential" (step-by-step recurrence); the last
-    two validate but ignore chunk_size.
+    "pallas" (the same algorithm as Pallas kernels with a hand-written backward; fp32 compute,
+    matmul inputs in the inputs' dtype), "reference" (quadratic form, O(l^2)) or "sequential"
+    (step-by-step recurrence); the last two validate but ignore chunk_size.
+    Pallas only: variant "gpu" (Triton) or "tpu" (Mosaic), None = the backend's; interpret
+    None = compiled on the variant's hardware, interpreted elsewhere; tile (rows per kernel
+    tile, dividing chunk_size) and num_warps are tuning knobs.
     """
     _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl)
     kwargs = dict(
@@ -85,4 +151,14 @@ def ssd(
         return ssd_reference(x, dt, A, B, C, **kwargs)
     if impl == "sequential":
         return ssd_sequential(x, dt, A, B, C, **kwargs)
+    if impl == "pallas":
+        variant = variant or backend.default_variant()
+        _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant)
+        if tile is not None and (tile <= 0 or chunk_size % tile):
+            raise ValueError(f"tile must divide chunk_size = {chunk_size}, got {tile}")
+        y, final = _ssd_pallas(
+            x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, interpret, tile,
+            num_warps,
+        )  # fmt: skip
+        return (y, final) if return_final_state else y
     return ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **kwargs)

@@ -1,0 +1,80 @@
+"""mamba_ssm's kernels loaded from a checkout, for measurement only: nothing of it is vendored.
+
+Prepare the checkout once on this machine (it is git-ignored and carried to the GPU machine):
+
+    git -C MAMBA archive HEAD mamba_ssm/ops/triton mamba_ssm/utils csrc/selective_scan | tar -x -C .peer
+    git -C MAMBA show HEAD:mamba_ssm/ops/selective_scan_interface.py > .peer/selective_scan_interface.py
+
+MAMBA being a clone of state-spaces/mamba. The Triton SSD needs torch + triton; the CUDA selective
+scan is compiled there with torch's cpp_extension (sm_90, about two minutes) into --build-dir.
+"""
+
+import glob
+import importlib
+import os
+import sys
+import types
+
+
+def _bare_packages(peer_dir):
+    """Register mamba_ssm's packages without running mamba_ssm/__init__ (which imports the
+    compiled extension and the model code)."""
+    for name, sub in (
+        ("mamba_ssm", ""),
+        ("mamba_ssm.ops", "ops"),
+        ("mamba_ssm.ops.triton", "ops/triton"),
+        ("mamba_ssm.utils", "utils"),
+    ):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [os.path.join(peer_dir, "mamba_ssm", sub)]
+            sys.modules[name] = module
+
+
+def triton_ssd(peer_dir):
+    """mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined."""
+    _bare_packages(peer_dir)
+    return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
+
+
+def cuda_selective_scan(peer_dir, build_dir):
+    """mamba_ssm's selective_scan_fn over its CUDA kernels, compiled here for sm_90."""
+    from torch.utils.cpp_extension import load
+
+    src = os.path.join(peer_dir, "csrc", "selective_scan")
+    os.makedirs(build_dir, exist_ok=True)
+    ext = load(
+        name="selective_scan_cuda",
+        sources=sorted(
+            glob.glob(os.path.join(src, "*.cpp")) + glob.glob(os.path.join(src, "*.cu"))
+        ),
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=[
+            "-O3",
+            "-std=c++17",
+            "-U__CUDA_NO_HALF_OPERATORS__",
+            "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT162_OPERATORS__",
+            "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+            "--expt-relaxed-constexpr",
+            "--expt-extended-lambda",
+            "--use_fast_math",
+            "-gencode",
+            "arch=compute_90,code=sm_90",
+            "--threads",
+            "8",
+        ],  # fmt: skip
+        extra_include_paths=[src],
+        build_directory=build_dir,
+        verbose=False,
+    )
+    sys.modules["selective_scan_cuda"] = ext
+    _bare_packages(peer_dir)
+    spec = importlib.util.spec_from_file_location(
+        "mamba_selective_scan_interface", os.path.join(peer_dir, "selective_scan_interface.py")
+    )
+    interface = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(interface)
+    return interface.selective_scan_fn

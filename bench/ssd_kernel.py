@@ -1,0 +1,144 @@
+"""SSD forward+backward: our Pallas kernels vs the pure-JAX chunked path vs mamba_ssm's Triton.
+
+    python bench/ssd_kernel.py [--peer .peer] [--json out.json] [--tiles 64] [--warps 4]
+
+Cases (issue #6): forward+backward (grads of x, dt, A, B, C, D for a random cotangent) at
+(b8, l2048, h24, p64, n128) and (b2, l8192, h80, p64, n128), chunk 256, bf16 x/B/C, fp32 dt/A/D,
+one group; forward alone at (b1, l2048, h24, p64, n128) fp32. The peer is
+`mamba_chunk_scan_combined` on the same values (torch tensors); times are medians of --reps
+runs after warm-up, each synchronised (block_until_ready / torch.cuda.synchronize).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ssd import ssd
+
+FWD_BWD = [(8, 2048, 24, 64, 128), (2, 8192, 80, 64, 128)]
+FWD_FP32 = [(1, 2048, 24, 64, 128)]
+CHUNK = 256
+
+
+def make_inputs(b, l, h, p, n, dtype, seed=0):
+    """Numpy inputs like a Mamba-2 layer's: softplus'd dt, A = -exp(.), one group."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: rng.standard_normal(s, np.float32)  # noqa: E731
+    return dict(
+        x=normal(b, l, h, p).astype(dtype),
+        dt=np.log1p(np.exp(normal(b, l, h) - 3.0)),
+        A=-np.exp(rng.uniform(0.0, np.log(16.0), h)).astype(np.float32),
+        B=normal(b, l, 1, n).astype(dtype),
+        C=normal(b, l, 1, n).astype(dtype),
+        D=normal(h),
+        dy=normal(b, l, h, p).astype(dtype),
+    )
+
+
+def median_ms(fn, reps, sync):
+    """Median wall time of fn() in ms after two warm-up calls."""
+    for _ in range(2):
+        sync(fn())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        sync(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def jax_case(inp, impl, backward, **kw):
+    """A jitted callable: forward, or forward+backward (vjp with dy), of ssd with `impl`."""
+    args = [jnp.asarray(inp[k]) for k in ("x", "dt", "A", "B", "C", "D")]
+    dy = jnp.asarray(inp["dy"])
+
+    def forward(x, dt, A, B, C, D):
+        return ssd(x, dt, A, B, C, D=D, chunk_size=CHUNK, impl=impl, **kw)
+
+    if backward:
+        fn = jax.jit(lambda *a: jax.vjp(forward, *a)[1](dy))
+    else:
+        fn = jax.jit(forward)
+    return lambda: fn(*args)
+
+
+def torch_case(inp, backward, peer_fn):
+    """The same computation with mamba_chunk_scan_combined (grads of x, dt, A, B, C, D)."""
+    import torch
+
+    def t(name, dtype=None):
+        """inp[name] on the GPU (bf16 arrays go through fp32: exact), a leaf if backward."""
+        tensor = torch.from_numpy(np.asarray(inp[name], np.float32)).cuda()
+        return tensor.to(dtype or tensor.dtype).requires_grad_(backward and name != "dy")
+
+    bf = torch.bfloat16 if inp["x"].dtype != np.float32 else torch.float32
+    x, B, C, dy = t("x", bf), t("B", bf), t("C", bf), t("dy", bf)
+    dt, A, D = t("dt"), t("A"), t("D")
+
+    def run():
+        y = peer_fn(x, dt, A, B, C, CHUNK, D=D)
+        if backward:
+            return torch.autograd.grad(y, (x, dt, A, B, C, D), dy)
+        return y
+
+    return run
+
+
+def main():
+    """Runs every case, prints one JSON line per case, optionally writes them all to --json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--peer", default=None, help="mamba_ssm checkout (see bench/mamba_ssm_peer.py)"
+    )
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tiles", type=int, nargs="+", default=[64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--no-chunked", action="store_true", help="skip the pure-JAX path")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    jax_sync = lambda out: jax.block_until_ready(out)  # noqa: E731
+    peer_fn = None
+    if args.peer:
+        import torch
+
+        from bench.mamba_ssm_peer import triton_ssd
+
+        peer_fn = triton_ssd(args.peer)
+        torch_sync = lambda out: torch.cuda.synchronize()  # noqa: E731
+
+    import ml_dtypes
+
+    rows = []
+    cases = [(s, True, ml_dtypes.bfloat16) for s in FWD_BWD]
+    cases += [(s, False, np.float32) for s in FWD_FP32]
+    for shape, backward, dtype in cases:
+        inp = make_inputs(*shape, dtype)
+        row = dict(shape=shape, backward=backward, dtype=np.dtype(dtype).name)
+        for tile in args.tiles:
+            for warps in args.warps:
+                fn = jax_case(inp, "pallas", backward, tile=tile, num_warps=warps)
+                row[f"pallas_t{tile}_w{warps}_ms"] = median_ms(fn, args.reps, jax_sync)
+        if not args.no_chunked:
+            row["chunked_ms"] = median_ms(jax_case(inp, "chunked", backward), args.reps, jax_sync)
+        if peer_fn is not None:
+            row["mamba_ssm_ms"] = median_ms(
+                torch_case(inp, backward, peer_fn), args.reps, torch_sync
+            )
+        best = min(v for k, v in row.items() if k.startswith("pallas_"))
+        row["pallas_best_ms"] = best
+        if "mamba_ssm_ms" in row:
+            row["ratio_vs_mamba_ssm"] = best / row["mamba_ssm_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

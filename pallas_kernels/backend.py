@@ -1,0 +1,64 @@
+"""Which Pallas variant runs where, and how kernels are cross-lowered for checking.
+
+Every kernel comes in two variants that share their math: "gpu" (Pallas Triton: power-of-two
+blocks, grids of independent programs) and "tpu" (Mosaic TPU: blocks whose last two dims are
+(8, 128)-tiled or whole, sequential grid axes marked "arbitrary"). On a CPU there is no
+compiler for either, so the kernels run in Pallas interpret mode: plain `interpret=True` for
+the gpu variant (fast enough for CI shapes) and `pltpu.InterpretParams()` for the tpu variant
+(TPU semantics, ~4000x slower: tiny shapes only).
+"""
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+VARIANTS = ("gpu", "tpu")
+
+
+def default_variant():
+    """The variant for the default backend: "tpu" on TPU, else "gpu" (interpreted on CPU)."""
+    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def check_variant(variant):
+    """ValueError naming `variant` unless it is one of VARIANTS."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def interpret_for(variant, interpret=None):
+    """The `interpret=` argument of pallas_call: None decides from the backend (compiled on the
+    variant's own hardware, interpreted anywhere else); True forces interpretation."""
+    native = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}[variant]
+    if interpret is None:
+        interpret = jax.default_backend() not in native
+    if not interpret:
+        return False
+    return pltpu.InterpretParams() if variant == "tpu" else True
+
+
+def compiler_params(variant, *, num_warps=4, num_stages=2, dimension_semantics=None):
+    """Compiler parameters of a pallas_call: Triton's for gpu, Mosaic's for tpu."""
+    if variant == "gpu":
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+
+
+def lower_for(platform, fn, *args, **kwargs):
+    """Lower jit(fn)(*args, **kwargs) for "cuda" or "tpu" on any host: catches unsupported
+    primitives and bad block shapes of the compiled (not interpreted) kernel without the
+    hardware. Returns the lowered module's text."""
+    lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+    return lowered.as_text()
+
+
+__all__ = [
+    "VARIANTS",
+    "check_variant",
+    "compiler_params",
+    "default_variant",
+    "interpret_for",
+    "lower_for",
+    "pl",
+]

@@ -1,0 +1,483 @@
+"""Mamba-2 SSD in Pallas: the chunked algorithm as four kernels plus two small scans in JAX.
+
+Forward (Dao & Gu, arXiv:2405.21060 §6): with cs the within-chunk cumulative log-decay,
+    chunk_state:  S_c = sum_t w_state[t] dt[t] x_t B_t^T                       (p, n) per chunk
+    (JAX scan):   H_in[c+1] = decay_c H_in[c] + S_c                            state passing
+    chunk_out:    y_s = sum_{t<=s} (C_s.B_t) L[s,t] dt_t x_t + w_out[s] H_in C_s + D x_s
+with L[s,t] = exp(cs_s - cs_t), w_out[s] = exp(cs_s), w_state[t] = exp(cs_K - cs_t) and
+decay_c = exp(cs_K), each zeroed where seq_idx says the positions belong to different
+documents. Backward: chunk_state again (on dy, C, w_out) for the state gradient, a reverse scan
+of it, then grad_source (dx, dB, per source tile t) and grad_target (dC and the decay terms,
+per target tile s). The per-position decay gradient is assembled in JAX from the kernels'
+row sums; ddt is never obtained by dividing by dt.
+
+Kernels see one (b, h, chunk) at a time, tiled by `tile` rows; the (k, k) matrix of a chunk is
+never materialised whole, and nothing of size (b, l, h, p, n) is written. Variants: "gpu" keeps
+the (b, l, h, p) layout of the caller (strided blocks are free for Triton); "tpu" moves heads in
+front so every block ends in two whole-or-tiled dims. Letters: b batch, h head, g group, c
+chunk, k chunk length, s / t target / source position, p head dim, n state dim.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ..backend import compiler_params, interpret_for
+from .reference import run_ids
+
+F32 = jnp.float32
+
+
+def _round_up_pow2(n, minimum):
+    """The next power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+    """a @ b with optional transposes, fp32 accumulation."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
+
+
+def _causal_keep(seq_a, seq_b, pos_a, pos_b):
+    """Pairs (a, b) with b <= a in the same document: where L is nonzero."""
+    return (pos_b <= pos_a) & (seq_a == seq_b)
+
+
+def _masked_exp(keep, log_value):
+    """exp(log_value) where keep else 0; exp never sees the masked (possibly huge) values."""
+    return jnp.where(keep, jnp.exp(jnp.where(keep, log_value, 0.0)), 0.0)
+
+
+def _positions(start, n, as_row):
+    """Chunk positions start..start+n-1 as an (n, 1) column or a (1, n) row."""
+    shape = (1, n) if as_row else (n, 1)
+    return start + jax.lax.broadcasted_iota(jnp.int32, shape, 1 if as_row else 0)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile):
+    """out (p, n) = sum_t w[t] x[t]^T b[t] over the chunk (fp32)."""
+    k, p = x_ref.shape
+    n = b_ref.shape[-1]
+
+    def body(j, acc_pn):
+        rows = pl.ds(pl.multiple_of(j * tile, tile), tile)
+        xw = (x_ref[rows, :].astype(F32) * w_ref[rows, :]).astype(x_ref.dtype)
+        return acc_pn + _dot(xw, b_ref[rows, :], trans_a=True)
+
+    out_ref[...] = jax.lax.fori_loop(0, k // tile, body, jnp.zeros((p, n), F32))
+
+
+def _chunk_out_kernel(
+    x_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
+    h_ref, d_ref, y_ref, *, tile,
+):  # fmt: skip
+    """y for target tile i: the causal intra-chunk sum, the incoming state, the D skip."""
+    i = pl.program_id(3)
+    rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
+    c_s = c_ref[rows_s, :]
+    cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
+    pos_s = _positions(i * tile, tile, as_row=False)
+
+    def body(j, acc_sp):
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
+        decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
+        scores_st = _dot(c_s, b_ref[cols, :], trans_b=True) * decay_st * dt_r_ref[:, cols]
+        return acc_sp + _dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
+
+    acc_sp = jax.lax.fori_loop(0, i + 1, body, jnp.zeros((tile, x_ref.shape[1]), F32))
+    state_sp = _dot(c_s, h_ref[...].astype(c_s.dtype), trans_b=True)
+    acc_sp += wout_ref[rows_s, :] * state_sp + d_ref[0, 0] * x_ref[rows_s, :].astype(F32)
+    y_ref[...] = acc_sp.astype(y_ref.dtype)
+
+
+def _grad_source_kernel(
+    x_ref, dy_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref,
+    dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, *, tile,
+):  # fmt: skip
+    """For source tile i (rows t), summing over targets s >= t in [t, s] orientation:
+    dx, the per-head dB, ddt's intra part sum_s G.L.CB and v_t = x_t . (dH_out B_t)."""
+    i = pl.program_id(3)
+    k = x_ref.shape[0]
+    rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
+    x_t, b_t, dy_t = x_ref[rows_t, :], b_ref[rows_t, :], dy_ref[rows_t, :]
+    cs_t, seq_t = cs_c_ref[rows_t, :], seq_c_ref[rows_t, :]
+    pos_t = _positions(i * tile, tile, as_row=False)
+
+    def body(j, carry):
+        dx_tp, db_tn, ddt_t1 = carry
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
+        decay_ts = _masked_exp(keep, cs_r_ref[:, cols] - cs_t)
+        cb_ts = _dot(b_t, c_ref[cols, :], trans_b=True)
+        gl_ts = _dot(x_t, dy_ref[cols, :], trans_b=True) * decay_ts
+        dx_tp += _dot((cb_ts * decay_ts).astype(dy_t.dtype), dy_ref[cols, :])
+        db_tn += _dot(gl_ts.astype(c_ref.dtype), c_ref[cols, :])
+        ddt_t1 += jnp.sum(gl_ts * cb_ts, axis=1, keepdims=True)
+        return dx_tp, db_tn, ddt_t1
+
+    p, n = x_ref.shape[1], b_ref.shape[1]
+    init = (jnp.zeros((tile, p), F32), jnp.zeros((tile, n), F32), jnp.zeros((tile, 1), F32))
+    dx_tp, db_tn, ddt_t1 = jax.lax.fori_loop(i, k // tile, body, init)
+    dh_pn = dh_ref[...]
+    wst_t, dt_t = wst_ref[rows_t, :], dt_c_ref[rows_t, :]
+    b_dh_tp = _dot(b_t, dh_pn.astype(b_t.dtype), trans_b=True)
+    x_dh_tn = _dot(x_t, dh_pn.astype(x_t.dtype))
+    dx_tp = dt_t * (dx_tp + wst_t * b_dh_tp) + d_ref[0, 0] * dy_t.astype(F32)
+    dx_ref[...] = dx_tp.astype(dx_ref.dtype)
+    db_ref[...] = dt_t * (db_tn + wst_t * x_dh_tn)
+    ddt_ref[...] = ddt_t1
+    v_ref[...] = jnp.sum(x_dh_tn * b_t.astype(F32), axis=1, keepdims=True)
+
+
+def _grad_target_kernel(
+    x_ref, dy_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
+    h_ref, dc_ref, rowsum_ref, u_ref, *, tile,
+):  # fmt: skip
+    """For target tile i (rows s), summing over sources t <= s in [s, t] orientation: the
+    per-head dC, rowsum_t(G.L.CB.dt) and u_s = dy_s . (H_in C_s)."""
+    i = pl.program_id(3)
+    rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
+    c_s, dy_s = c_ref[rows_s, :], dy_ref[rows_s, :]
+    cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
+    pos_s = _positions(i * tile, tile, as_row=False)
+
+    def body(j, carry):
+        dc_sn, rowsum_s1 = carry
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
+        decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
+        q_st = _dot(dy_s, x_ref[cols, :], trans_b=True) * decay_st * dt_r_ref[:, cols]
+        dc_sn += _dot(q_st.astype(b_ref.dtype), b_ref[cols, :])
+        cb_st = _dot(c_s, b_ref[cols, :], trans_b=True)
+        rowsum_s1 += jnp.sum(q_st * cb_st, axis=1, keepdims=True)
+        return dc_sn, rowsum_s1
+
+    n = c_ref.shape[1]
+    init = (jnp.zeros((tile, n), F32), jnp.zeros((tile, 1), F32))
+    dc_sn, rowsum_s1 = jax.lax.fori_loop(0, i + 1, body, init)
+    dy_h_sn = _dot(dy_s, h_ref[...].astype(dy_s.dtype))
+    dc_ref[...] = dc_sn + wout_ref[rows_s, :] * dy_h_sn
+    rowsum_ref[...] = rowsum_s1
+    u_ref[...] = jnp.sum(dy_h_sn * c_s.astype(F32), axis=1, keepdims=True)
+
+
+# ---------------------------------------------------------------- layout and launch
+
+
+class _Layout:
+    """Block specs of one variant for grids (b, h, c) and (b, h, c, tile index).
+
+    gpu: x-like (b, l, h, p), B-like (b, l, g, n); tpu: x-like (b, h, l, p), B-like
+    (b, g, l, n). Per-position vectors are (b, h, c, k, 1) columns and (b, h, c, 1, k) rows;
+    seq ids (b, c, k, 1) / (b, c, 1, k); states (b, c, h, p, n)."""
+
+    def __init__(self, variant, k, tile, r):
+        self.variant, self.k, self.tile, self.r = variant, k, tile, r
+
+    def seq_major(self, arr, heads_axis=2):
+        """A (b, l, h, f) array in this variant's layout."""
+        return arr if self.variant == "gpu" else jnp.moveaxis(arr, heads_axis, 1)
+
+    def from_seq_major(self, arr):
+        """Back to (b, l, h, f)."""
+        return arr if self.variant == "gpu" else jnp.moveaxis(arr, 1, 2)
+
+    def chunk(self, f, group=False):
+        """The whole chunk of an x-like (or, group=True, B-like) array."""
+        r = self.r if group else 1
+        if self.variant == "gpu":
+            return pl.BlockSpec(
+                (None, self.k, None, f), lambda b, h, c, *i: (b, c, jax.lax.div(h, r), 0)
+            )
+        return pl.BlockSpec(
+            (None, None, self.k, f), lambda b, h, c, *i: (b, jax.lax.div(h, r), c, 0)
+        )
+
+    def tile_of(self, f):
+        """Tile i of chunk c of an x-like array (grid (b, h, c, i))."""
+        per = self.k // self.tile
+        if self.variant == "gpu":
+            return pl.BlockSpec(
+                (None, self.tile, None, f), lambda b, h, c, i: (b, c * per + i, h, 0)
+            )
+        return pl.BlockSpec((None, None, self.tile, f), lambda b, h, c, i: (b, h, c * per + i, 0))
+
+    def column(self):
+        """A per-position (b, h, c, k, 1) vector, whole chunk."""
+        return pl.BlockSpec((None, None, None, self.k, 1), lambda b, h, c, *i: (b, h, c, 0, 0))
+
+    def row(self):
+        """A per-position (b, h, c, 1, k) vector, whole chunk."""
+        return pl.BlockSpec((None, None, None, 1, self.k), lambda b, h, c, *i: (b, h, c, 0, 0))
+
+    def column_tile(self):
+        """Tile i of a per-position column (output)."""
+        return pl.BlockSpec((None, None, None, self.tile, 1), lambda b, h, c, i: (b, h, c, i, 0))
+
+    def seq_column(self):
+        return pl.BlockSpec((None, None, self.k, 1), lambda b, h, c, *i: (b, c, 0, 0))
+
+    def seq_row(self):
+        return pl.BlockSpec((None, None, 1, self.k), lambda b, h, c, *i: (b, c, 0, 0))
+
+    def state(self, p, n):
+        """One chunk's (p, n) state of a (b, c, h, p, n) array."""
+        return pl.BlockSpec((None, None, None, p, n), lambda b, h, c, *i: (b, c, h, 0, 0))
+
+    def scalar(self):
+        """D of head h, stored (h, 1, 1)."""
+        return pl.BlockSpec((None, 1, 1), lambda b, h, c, *i: (h, 0, 0))
+
+
+def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps=4):
+    """pallas_call with this variant's compiler parameters."""
+    variant = layout.variant
+    return pl.pallas_call(
+        functools.partial(kernel, tile=layout.tile),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(
+            variant,
+            num_warps=num_warps,
+            num_stages=2,
+            dimension_semantics=("parallel",) * len(grid),
+        ),
+        interpret=interpret_for(variant, interpret),
+    )
+
+
+def default_tile(variant, k):
+    """Rows per tile: 64 on gpu (a (64, 64) fp32 score tile per program), 128 on tpu (lane
+    width); the whole chunk when it is shorter."""
+    return min(k, 64 if variant == "gpu" else 128)
+
+
+class Prepared:
+    """The padded, laid-out inputs and the decay vectors shared by forward and backward."""
+
+    def __init__(self, x, dt, A, B, C, D, seq_idx, chunk_size, variant, tile):
+        b, l, h, p = x.shape
+        g, n = B.shape[2:]
+        self.shape = (b, l, h, p, g, n)
+        self.dtype = F32  # the kernels compute in fp32 (ops refuses fp64 inputs)
+        self.out_dtype = x.dtype
+        k = chunk_size
+        c = -(-l // k)
+        self.c, self.k = c, k
+        self.mm_dtype = jnp.promote_types(x.dtype, B.dtype)  # inputs of the matmuls
+        pad_l = c * k - l
+        if variant == "gpu":  # Triton: power-of-two tiles of at least 16 for tl.dot
+            self.p_pad, self.n_pad = _round_up_pow2(p, 16), _round_up_pow2(n, 16)
+        else:
+            self.p_pad, self.n_pad = p, n
+        self.layout = _Layout(variant, k, tile or default_tile(variant, k), h // g)
+
+        def pad(arr, f_pad):
+            """Zero-pad the length to c * k and the feature dim to f_pad, in the mm dtype."""
+            widths = [(0, 0), (0, pad_l), (0, 0), (0, f_pad - arr.shape[-1])]
+            return jnp.pad(arr.astype(self.mm_dtype), widths)
+
+        self.x = self.layout.seq_major(pad(x, self.p_pad))
+        self.B = self.layout.seq_major(pad(B, self.n_pad))
+        self.C = self.layout.seq_major(pad(C, self.n_pad))
+        dt_bhck = jnp.pad(dt.astype(self.dtype), [(0, 0), (0, pad_l), (0, 0)])
+        self.dt = jnp.moveaxis(dt_bhck, 2, 1).reshape(b, h, c, k)
+        seq_bl = jnp.zeros((b, l), jnp.int32) if seq_idx is None else run_ids(seq_idx)
+        self.seq = jnp.pad(seq_bl, [(0, 0), (0, pad_l)], mode="edge").reshape(b, c, k)
+        self.A = A.astype(self.dtype)
+        self.cs = jnp.cumsum(self.dt * self.A[:, None, None], axis=-1)
+        self.D = jnp.zeros((h,), self.dtype) if D is None else D.astype(self.dtype)
+
+        # Documents: the state entering chunk c belongs to doc_in[c] (the row's first document
+        # for chunk 0); it survives the chunk only if the chunk ends in that document.
+        doc_in_bc = jnp.concatenate([self.seq[:, :1, 0], self.seq[:, :-1, -1]], axis=1)
+        own_bhck = (self.seq == doc_in_bc[:, :, None])[:, None]
+        end_bhck = (self.seq == self.seq[:, :, -1:])[:, None]
+        cs_end = self.cs[..., -1:]
+        self.w_out = jnp.where(own_bhck, jnp.exp(self.cs), 0.0)
+        self.w_state = jnp.where(end_bhck, jnp.exp(cs_end - self.cs), 0.0)
+        keep_bhc = (self.seq[:, :, -1] == doc_in_bc)[:, None]
+        self.decay = jnp.where(keep_bhc, jnp.exp(cs_end[..., 0]), 0.0)
+
+    def vectors(self, *arrays):
+        """(b, h, c, k) fp32 arrays as (b, h, c, k, 1) columns / (b, h, c, 1, k) rows."""
+        return [a[..., None] for a in arrays] + [a[..., None, :] for a in arrays]
+
+    def crop(self, arr_blhf, f):
+        """Drop the length and feature padding of a (b, l', h, f') array."""
+        _, l, *_ = self.shape
+        return arr_blhf[:, :l, :, :f]
+
+
+def chunk_states(prep, x, w_bhck, B, *, interpret=None, num_warps=4):
+    """S (b, c, h, p', n') fp32: per chunk sum_t w[t] x[t]^T B[t] (x-like, B-like inputs)."""
+    lay = prep.layout
+    b, _, h, *_ = prep.shape
+    p, n = prep.p_pad, prep.n_pad
+    return _call(
+        _chunk_state_kernel,
+        lay,
+        (b, h, prep.c),
+        [lay.chunk(p), lay.column(), lay.chunk(n, group=True)],
+        lay.state(p, n),
+        jax.ShapeDtypeStruct((b, prep.c, h, p, n), F32),
+        interpret=interpret,
+        num_warps=num_warps,
+    )(x, w_bhck[..., None], B)
+
+
+def pass_states(prep, S_bchpn, h0_bhpn):
+    """(H_in (b, c, h, p', n') entering each chunk, final state): a scan over chunks."""
+
+    def step(h_bhpn, inputs):
+        decay_bh, s_bhpn = inputs
+        return decay_bh[..., None, None] * h_bhpn + s_bhpn, h_bhpn
+
+    decay_cbh = jnp.moveaxis(prep.decay, 2, 0)
+    final, h_in_cbhpn = jax.lax.scan(step, h0_bhpn, (decay_cbh, jnp.moveaxis(S_bchpn, 1, 0)))
+    return jnp.moveaxis(h_in_cbhpn, 0, 1), final
+
+
+def pass_state_grads(prep, dS_bchpn, dfinal_bhpn):
+    """Reverse scan: (dH_out (b, c, h, p', n') leaving each chunk, d initial state)."""
+
+    def step(dh_out_bhpn, inputs):
+        decay_bh, ds_bhpn = inputs
+        return ds_bhpn + decay_bh[..., None, None] * dh_out_bhpn, dh_out_bhpn
+
+    decay_cbh = jnp.moveaxis(prep.decay, 2, 0)
+    dh0, dh_out_cbhpn = jax.lax.scan(
+        step, dfinal_bhpn, (decay_cbh, jnp.moveaxis(dS_bchpn, 1, 0)), reverse=True
+    )
+    return jnp.moveaxis(dh_out_cbhpn, 0, 1), dh0
+
+
+def pad_state(prep, state_bhpn):
+    """A (b, h, p, n) state in fp32, zero-padded to (p', n')."""
+    _, _, _, p, _, n = prep.shape
+    if state_bhpn is None:
+        b, _, h, *_ = prep.shape
+        return jnp.zeros((b, h, prep.p_pad, prep.n_pad), F32)
+    widths = [(0, 0), (0, 0), (0, prep.p_pad - p), (0, prep.n_pad - n)]
+    return jnp.pad(state_bhpn.astype(F32), widths)
+
+
+def chunk_outputs(prep, h_in, *, interpret=None, num_warps=4):
+    """y (b, l', h, p') in the variant's layout from the incoming states."""
+    lay = prep.layout
+    b, _, h, *_ = prep.shape
+    p, n = prep.p_pad, prep.n_pad
+    cs_c, dt_c, wout_c, cs_r, dt_r, _ = prep.vectors(prep.cs, prep.dt, prep.w_out)
+    grid = (b, h, prep.c, prep.k // lay.tile)
+    in_specs = [
+        lay.chunk(p), lay.chunk(n, True), lay.chunk(n, True), lay.column(), lay.row(),
+        lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(p, n), lay.scalar(),
+    ]  # fmt: skip
+    return _call(
+        _chunk_out_kernel,
+        lay,
+        grid,
+        in_specs,
+        lay.tile_of(p),
+        jax.ShapeDtypeStruct(prep.x.shape, prep.out_dtype),
+        interpret=interpret,
+        num_warps=num_warps,
+    )(
+        prep.x, prep.B, prep.C, cs_c, cs_r, dt_r, prep.seq[..., None], prep.seq[:, :, None],
+        wout_c, h_in, prep.D[:, None, None],
+    )  # fmt: skip
+
+
+def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, interpret=None,
+            tile=None, num_warps=4):  # fmt: skip
+    """(y (b, l, h, p) in x.dtype, final state (b, h, p, n) fp32, residuals for backward)."""
+    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, tile)
+    S = chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret,
+                     num_warps=num_warps)  # fmt: skip
+    h_in, final = pass_states(prep, S, pad_state(prep, initial_state))
+    y = chunk_outputs(prep, h_in, interpret=interpret, num_warps=num_warps)
+    _, _, _, p, _, n = prep.shape
+    y = prep.crop(prep.layout.from_seq_major(y), p)
+    return y, final[:, :, :p, :n], h_in
+
+
+def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chunk_size,
+             variant, interpret=None, tile=None, num_warps=4):  # fmt: skip
+    """Gradients (dx, ddt, dA, dB, dC, dD, d initial_state) of forward's (y, final state)."""
+    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, tile)
+    lay = prep.layout
+    b, l, h, p, g, n = prep.shape
+    pp, nn, c, k = prep.p_pad, prep.n_pad, prep.c, prep.k
+    dy_pad = jnp.pad(dy.astype(prep.mm_dtype), [(0, 0), (0, c * k - l), (0, 0), (0, pp - p)])
+    dy_l = lay.seq_major(dy_pad)
+
+    # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
+    dS = chunk_states(prep, dy_l, prep.w_out, prep.C, interpret=interpret, num_warps=num_warps)
+    dh_out, dh0 = pass_state_grads(prep, dS, pad_state(prep, dfinal))
+
+    cs_c, dt_c, wout_c, wst_c, cs_r, dt_r, _, _ = prep.vectors(
+        prep.cs, prep.dt, prep.w_out, prep.w_state
+    )
+    seq_c, seq_r = prep.seq[..., None], prep.seq[:, :, None]
+    grid = (b, h, c, k // lay.tile)
+    common = [lay.chunk(pp), lay.chunk(pp), lay.chunk(nn, True), lay.chunk(nn, True),
+              lay.column(), lay.row()]  # fmt: skip
+    col_out = jax.ShapeDtypeStruct((b, h, c, k, 1), F32)
+    n_shape = (b, c * k, h, nn) if lay.variant == "gpu" else (b, h, c * k, nn)
+    dx, db_h, ddt_intra, v = _call(
+        _grad_source_kernel,
+        lay,
+        grid,
+        common + [lay.column(), lay.seq_column(), lay.seq_row(), lay.column(),
+                  lay.state(pp, nn), lay.scalar()],
+        [lay.tile_of(pp), lay.tile_of(nn), lay.column_tile(), lay.column_tile()],
+        [jax.ShapeDtypeStruct(prep.x.shape, x.dtype), jax.ShapeDtypeStruct(n_shape, F32),
+         col_out, col_out],
+        interpret=interpret,
+        num_warps=num_warps,
+    )(prep.x, dy_l, prep.B, prep.C, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
+      prep.D[:, None, None])  # fmt: skip
+    dc_h, rowsum, u = _call(
+        _grad_target_kernel,
+        lay,
+        grid,
+        common + [lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(pp, nn)],
+        [lay.tile_of(nn), lay.column_tile(), lay.column_tile()],
+        [jax.ShapeDtypeStruct(n_shape, F32), col_out, col_out],
+        interpret=interpret,
+        num_warps=num_warps,
+    )(prep.x, dy_l, prep.B, prep.C, cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
+
+    # Decay gradient per position (see the module docstring for the terms), then a reverse
+    # cumsum within each chunk gives d(dt * A).
+    ddt_intra, v, rowsum, u = (arr[..., 0] for arr in (ddt_intra, v, rowsum, u))
+    state_term = prep.w_state * prep.dt * v
+    dcs = rowsum - prep.dt * ddt_intra + prep.w_out * u - state_term
+    carry = prep.decay * jnp.einsum("bchpn,bchpn->bhc", dh_out, h_in)
+    dcs = dcs.at[..., -1].add(jnp.sum(state_term, axis=-1) + carry)
+    da = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1)
+    ddt = ddt_intra + prep.w_state * v + da * prep.A[:, None, None]
+    dA = jnp.einsum("bhck,bhck->h", da, prep.dt)
+    ddt = jnp.moveaxis(ddt.reshape(b, h, c * k), 1, 2)[:, :l]
+
+    def group_sum(arr):
+        """Per-head (b, l', h, n') gradients summed over the heads of each group."""
+        arr = lay.from_seq_major(arr)[:, :l, :, :n]
+        return arr.reshape(b, l, g, h // g, n).sum(axis=3)
+
+    dx = prep.crop(lay.from_seq_major(dx), p)
+    dD = jnp.einsum("blhp,blhp->h", dy.astype(F32), x.astype(F32))
+    dh0 = dh0[:, :, :p, :n]
+    return dx, ddt, dA, group_sum(db_h), group_sum(dc_h), dD, dh0
