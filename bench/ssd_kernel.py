@@ -4,7 +4,7 @@
 
 Cases (issue #6): forward+backward (grads of x, dt, A, B, C, D for a random cotangent) at
 (b8, l2048, h24, p64, n128) and (b2, l8192, h80, p64, n128), chunk 256, bf16 x/B/C, fp32 dt/A/D,
-one group; forward alone at (b1, l2048, h24, p64, n128) fp32. The peer is
+one group; forward alone at the same shapes and at (b1, l2048, h24, p64, n128) fp32. The peer is
 `mamba_chunk_scan_combined` on the same values (torch tensors); times are medians of --reps
 runs after warm-up, each synchronised (block_until_ready / torch.cuda.synchronize).
 """
@@ -115,6 +115,7 @@ def main():
 
     rows = []
     cases = [(s, True, ml_dtypes.bfloat16) for s in FWD_BWD]
+    cases += [(s, False, ml_dtypes.bfloat16) for s in FWD_BWD]
     cases += [(s, False, np.float32) for s in FWD_FP32]
     for shape, backward, dtype in cases:
         inp = make_inputs(*shape, dtype)

@@ -60,8 +60,36 @@ def _positions(start, n, as_row):
 # ---------------------------------------------------------------- kernels
 
 
-def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile):
-    """out (p, n) = sum_t w[t] x[t]^T b[t] over the chunk (fp32)."""
+class _Head:
+    """Head hh of a ref that holds a block of heads on `axis`, indexed like a ref of one head.
+    (Triton lowers one indexer per load or store, so `_Head(ref, hh)[rows]` views cannot be used.)"""
+
+    def __init__(self, ref, hh, axis=0):
+        self.ref, self.hh, self.axis = ref, hh, axis
+        self.dtype = ref.dtype
+        self.shape = tuple(d for a, d in enumerate(ref.shape) if a != axis)
+
+    def _index(self, idx):
+        idx = [] if idx is Ellipsis else list(idx if isinstance(idx, tuple) else (idx,))
+        idx += [slice(None)] * (len(self.shape) - len(idx))
+        idx.insert(self.axis, self.hh)
+        return tuple(idx)
+
+    def __getitem__(self, idx):
+        return self.ref[self._index(idx)]
+
+    def __setitem__(self, idx, value):
+        self.ref[self._index(idx)] = value
+
+
+def _head(ref, hh, seq_major):
+    """Head hh of an x-like block: (k, heads, f) when seq_major (gpu), else (heads, k, f)."""
+    return _Head(ref, hh, 1 if seq_major else 0)
+
+
+def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile, seq_major):
+    """out (p, n) = sum_t w[t] x[t]^T b[t] over the chunk (fp32), one head."""
+    x_ref, w_ref, out_ref = _head(x_ref, 0, seq_major), _Head(w_ref, 0), _Head(out_ref, 0)
     k, p = x_ref.shape
     n = b_ref.shape[-1]
 
@@ -75,9 +103,13 @@ def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile):
 
 def _chunk_out_kernel(
     x_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
-    h_ref, d_ref, y_ref, *, tile,
+    h_ref, d_ref, y_ref, *, tile, seq_major,
 ):  # fmt: skip
-    """y for target tile i: the causal intra-chunk sum, the incoming state, the D skip."""
+    """y for target tile i of one head: the causal intra-chunk sum, the incoming state, D x."""
+    x_ref, y_ref = _head(x_ref, 0, seq_major), _head(y_ref, 0, seq_major)
+    cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref = (
+        _Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref)
+    )
     i = pl.program_id(3)
     rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
     c_s = c_ref[rows_s, :]
@@ -100,150 +132,180 @@ def _chunk_out_kernel(
 
 def _grad_source_kernel(
     x_ref, dy_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref,
-    dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, *, tile,
+    dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, *, tile, seq_major,
 ):  # fmt: skip
-    """For source tile i (rows t), summing over targets s >= t in [t, s] orientation:
-    dx, the per-head dB, ddt's intra part sum_s G.L.CB and v_t = x_t . (dH_out B_t)."""
+    """For source tile i (rows t) and a block of heads of one group, summing over targets
+    s >= t in [t, s] orientation: per head dx, ddt's intra part sum_s G.L.CB and
+    v_t = x_t . (dH_out B_t); dB summed over the block's heads."""
     i = pl.program_id(3)
-    k = x_ref.shape[0]
+    k = b_ref.shape[0]
     rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
-    x_t, b_t, dy_t = x_ref[rows_t, :], b_ref[rows_t, :], dy_ref[rows_t, :]
-    cs_t, seq_t = cs_c_ref[rows_t, :], seq_c_ref[rows_t, :]
+    b_t, seq_t = b_ref[rows_t, :], seq_c_ref[rows_t, :]
     pos_t = _positions(i * tile, tile, as_row=False)
 
-    def body(j, carry):
-        dx_tp, db_tn, ddt_t1 = carry
-        start = pl.multiple_of(j * tile, tile)
-        cols = pl.ds(start, tile)
-        keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
-        decay_ts = _masked_exp(keep, cs_r_ref[:, cols] - cs_t)
-        cb_ts = _dot(b_t, c_ref[cols, :], trans_b=True)
-        gl_ts = _dot(x_t, dy_ref[cols, :], trans_b=True) * decay_ts
-        dx_tp += _dot((cb_ts * decay_ts).astype(dy_t.dtype), dy_ref[cols, :])
-        db_tn += _dot(gl_ts.astype(c_ref.dtype), c_ref[cols, :])
-        ddt_t1 += jnp.sum(gl_ts * cb_ts, axis=1, keepdims=True)
-        return dx_tp, db_tn, ddt_t1
+    def one_head(hh, db_tn):
+        x_h, dy_h = _head(x_ref, hh, seq_major), _head(dy_ref, hh, seq_major)
+        x_t, dy_t = x_h[rows_t, :], dy_h[rows_t, :]
+        cs_t = _Head(cs_c_ref, hh)[rows_t, :]
 
-    p, n = x_ref.shape[1], b_ref.shape[1]
-    init = (jnp.zeros((tile, p), F32), jnp.zeros((tile, n), F32), jnp.zeros((tile, 1), F32))
-    dx_tp, db_tn, ddt_t1 = jax.lax.fori_loop(i, k // tile, body, init)
-    dh_pn = dh_ref[...]
-    wst_t, dt_t = wst_ref[rows_t, :], dt_c_ref[rows_t, :]
-    b_dh_tp = _dot(b_t, dh_pn.astype(b_t.dtype), trans_b=True)
-    x_dh_tn = _dot(x_t, dh_pn.astype(x_t.dtype))
-    dx_tp = dt_t * (dx_tp + wst_t * b_dh_tp) + d_ref[0, 0] * dy_t.astype(F32)
-    dx_ref[...] = dx_tp.astype(dx_ref.dtype)
-    db_ref[...] = dt_t * (db_tn + wst_t * x_dh_tn)
-    ddt_ref[...] = ddt_t1
-    v_ref[...] = jnp.sum(x_dh_tn * b_t.astype(F32), axis=1, keepdims=True)
+        def body(j, carry):
+            dx_tp, db_head_tn, ddt_t1 = carry
+            start = pl.multiple_of(j * tile, tile)
+            cols = pl.ds(start, tile)
+            keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
+            decay_ts = _masked_exp(keep, _Head(cs_r_ref, hh)[:, cols] - cs_t)
+            cb_ts = _dot(b_t, c_ref[cols, :], trans_b=True)
+            gl_ts = _dot(x_t, dy_h[cols, :], trans_b=True) * decay_ts
+            dx_tp += _dot((cb_ts * decay_ts).astype(dy_t.dtype), dy_h[cols, :])
+            db_head_tn += _dot(gl_ts.astype(c_ref.dtype), c_ref[cols, :])
+            ddt_t1 += jnp.sum(gl_ts * cb_ts, axis=1, keepdims=True)
+            return dx_tp, db_head_tn, ddt_t1
+
+        p, n = x_t.shape[1], b_t.shape[1]
+        init = (jnp.zeros((tile, p), F32), jnp.zeros((tile, n), F32), jnp.zeros((tile, 1), F32))
+        dx_tp, db_head_tn, ddt_t1 = jax.lax.fori_loop(i, k // tile, body, init)
+        dh_pn = _Head(dh_ref, hh)[...]
+        wst_t, dt_t = _Head(wst_ref, hh)[rows_t, :], _Head(dt_c_ref, hh)[rows_t, :]
+        b_dh_tp = _dot(b_t, dh_pn.astype(b_t.dtype), trans_b=True)
+        x_dh_tn = _dot(x_t, dh_pn.astype(x_t.dtype))
+        dx_tp = dt_t * (dx_tp + wst_t * b_dh_tp) + _Head(d_ref, hh)[0, 0] * dy_t.astype(F32)
+        _head(dx_ref, hh, seq_major)[...] = dx_tp.astype(dx_ref.dtype)
+        _Head(ddt_ref, hh)[...] = ddt_t1
+        _Head(v_ref, hh)[...] = jnp.sum(x_dh_tn * b_t.astype(F32), axis=1, keepdims=True)
+        return db_tn + dt_t * (db_head_tn + wst_t * x_dh_tn)
+
+    heads = cs_c_ref.shape[0]
+    db_ref[...] = jax.lax.fori_loop(0, heads, one_head, jnp.zeros(db_ref.shape, F32))
 
 
 def _grad_target_kernel(
     x_ref, dy_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
-    h_ref, dc_ref, rowsum_ref, u_ref, *, tile,
+    h_ref, dc_ref, rowsum_ref, u_ref, *, tile, seq_major,
 ):  # fmt: skip
-    """For target tile i (rows s), summing over sources t <= s in [s, t] orientation: the
-    per-head dC, rowsum_t(G.L.CB.dt) and u_s = dy_s . (H_in C_s)."""
+    """For target tile i (rows s) and a block of heads of one group, summing over sources
+    t <= s in [s, t] orientation: per head rowsum_t(G.L.CB.dt) and u_s = dy_s . (H_in C_s);
+    dC summed over the block's heads."""
     i = pl.program_id(3)
     rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
-    c_s, dy_s = c_ref[rows_s, :], dy_ref[rows_s, :]
-    cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
+    c_s, seq_s = c_ref[rows_s, :], seq_c_ref[rows_s, :]
     pos_s = _positions(i * tile, tile, as_row=False)
 
-    def body(j, carry):
-        dc_sn, rowsum_s1 = carry
-        start = pl.multiple_of(j * tile, tile)
-        cols = pl.ds(start, tile)
-        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
-        decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
-        q_st = _dot(dy_s, x_ref[cols, :], trans_b=True) * decay_st * dt_r_ref[:, cols]
-        dc_sn += _dot(q_st.astype(b_ref.dtype), b_ref[cols, :])
-        cb_st = _dot(c_s, b_ref[cols, :], trans_b=True)
-        rowsum_s1 += jnp.sum(q_st * cb_st, axis=1, keepdims=True)
-        return dc_sn, rowsum_s1
+    def one_head(hh, dc_sn):
+        x_h, dy_h = _head(x_ref, hh, seq_major), _head(dy_ref, hh, seq_major)
+        dy_s, cs_s = dy_h[rows_s, :], _Head(cs_c_ref, hh)[rows_s, :]
 
-    n = c_ref.shape[1]
-    init = (jnp.zeros((tile, n), F32), jnp.zeros((tile, 1), F32))
-    dc_sn, rowsum_s1 = jax.lax.fori_loop(0, i + 1, body, init)
-    dy_h_sn = _dot(dy_s, h_ref[...].astype(dy_s.dtype))
-    dc_ref[...] = dc_sn + wout_ref[rows_s, :] * dy_h_sn
-    rowsum_ref[...] = rowsum_s1
-    u_ref[...] = jnp.sum(dy_h_sn * c_s.astype(F32), axis=1, keepdims=True)
+        def body(j, carry):
+            dc_head_sn, rowsum_s1 = carry
+            start = pl.multiple_of(j * tile, tile)
+            cols = pl.ds(start, tile)
+            keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
+            decay_st = _masked_exp(keep, cs_s - _Head(cs_r_ref, hh)[:, cols])
+            q_st = _dot(dy_s, x_h[cols, :], trans_b=True) * decay_st
+            q_st *= _Head(dt_r_ref, hh)[:, cols]
+            dc_head_sn += _dot(q_st.astype(b_ref.dtype), b_ref[cols, :])
+            cb_st = _dot(c_s, b_ref[cols, :], trans_b=True)
+            rowsum_s1 += jnp.sum(q_st * cb_st, axis=1, keepdims=True)
+            return dc_head_sn, rowsum_s1
+
+        init = (jnp.zeros(dc_sn.shape, F32), jnp.zeros((tile, 1), F32))
+        dc_head_sn, rowsum_s1 = jax.lax.fori_loop(0, i + 1, body, init)
+        dy_h_sn = _dot(dy_s, _Head(h_ref, hh)[...].astype(dy_s.dtype))
+        _Head(rowsum_ref, hh)[...] = rowsum_s1
+        _Head(u_ref, hh)[...] = jnp.sum(dy_h_sn * c_s.astype(F32), axis=1, keepdims=True)
+        return dc_sn + dc_head_sn + _Head(wout_ref, hh)[rows_s, :] * dy_h_sn
+
+    heads = cs_c_ref.shape[0]
+    dc_ref[...] = jax.lax.fori_loop(0, heads, one_head, jnp.zeros(dc_ref.shape, F32))
 
 
 # ---------------------------------------------------------------- layout and launch
 
 
 class _Layout:
-    """Block specs of one variant for grids (b, h, c) and (b, h, c, tile index).
+    """Block specs of one variant for grids (b, head block, c) and (b, head block, c, tile).
 
-    gpu: x-like (b, l, h, p), B-like (b, l, g, n); tpu: x-like (b, h, l, p), B-like
-    (b, g, l, n). Per-position vectors are (b, h, c, k, 1) columns and (b, h, c, 1, k) rows;
-    seq ids (b, c, k, 1) / (b, c, 1, k); states (b, c, h, p, n)."""
+    A program sees `hb` consecutive heads (of one group). gpu: x-like (b, l, h, p), B-like
+    (b, l, g, n); tpu: x-like (b, h, l, p), B-like (b, g, l, n). Per-position vectors are
+    (b, h, c, k, 1) columns and (b, h, c, 1, k) rows; seq ids (b, c, k, 1) / (b, c, 1, k);
+    states (b, c, h, p, n); D (h, 1, 1); per-head-block sums x-like with h / hb "heads"."""
 
-    def __init__(self, variant, k, tile, r):
-        self.variant, self.k, self.tile, self.r = variant, k, tile, r
+    def __init__(self, variant, k, tile, r, hb=1):
+        self.variant, self.k, self.tile, self.hb = variant, k, tile, hb
+        self.blocks_per_group = r // hb
+        self.gpu = variant == "gpu"
 
-    def seq_major(self, arr, heads_axis=2):
+    def seq_major(self, arr):
         """A (b, l, h, f) array in this variant's layout."""
-        return arr if self.variant == "gpu" else jnp.moveaxis(arr, heads_axis, 1)
+        return arr if self.gpu else jnp.moveaxis(arr, 2, 1)
 
     def from_seq_major(self, arr):
         """Back to (b, l, h, f)."""
-        return arr if self.variant == "gpu" else jnp.moveaxis(arr, 1, 2)
+        return arr if self.gpu else jnp.moveaxis(arr, 1, 2)
 
-    def chunk(self, f, group=False):
-        """The whole chunk of an x-like (or, group=True, B-like) array."""
-        r = self.r if group else 1
-        if self.variant == "gpu":
+    def _x_like(self, rows, heads, f, row_block, head_block):
+        """Block (rows, heads, f) of an x-like array in this layout."""
+        if self.gpu:
             return pl.BlockSpec(
-                (None, self.k, None, f), lambda b, h, c, *i: (b, c, jax.lax.div(h, r), 0)
+                (None, rows, heads, f),
+                lambda b, hb, c, *i: (b, row_block(c, *i), head_block(hb), 0),
             )
         return pl.BlockSpec(
-            (None, None, self.k, f), lambda b, h, c, *i: (b, jax.lax.div(h, r), c, 0)
+            (None, heads, rows, f), lambda b, hb, c, *i: (b, head_block(hb), row_block(c, *i), 0)
         )
 
-    def tile_of(self, f):
-        """Tile i of chunk c of an x-like array (grid (b, h, c, i))."""
+    def chunk(self, f):
+        """The whole chunk of an x-like array, this program's heads."""
+        return self._x_like(self.k, self.hb, f, lambda c, *i: c, lambda hb: hb)
+
+    def group_chunk(self, f):
+        """The whole chunk of a B-like array, this program's group."""
+        per = self.blocks_per_group
+        return self._x_like(self.k, None, f, lambda c, *i: c, lambda hb: jax.lax.div(hb, per))
+
+    def tile_of(self, f, heads=True):
+        """Tile i of chunk c of an x-like array (this program's heads), or of a per-head-block
+        sum (heads=False)."""
         per = self.k // self.tile
-        if self.variant == "gpu":
-            return pl.BlockSpec(
-                (None, self.tile, None, f), lambda b, h, c, i: (b, c * per + i, h, 0)
-            )
-        return pl.BlockSpec((None, None, self.tile, f), lambda b, h, c, i: (b, h, c * per + i, 0))
+        return self._x_like(
+            self.tile, self.hb if heads else None, f, lambda c, i: c * per + i, lambda hb: hb
+        )
 
     def column(self):
-        """A per-position (b, h, c, k, 1) vector, whole chunk."""
-        return pl.BlockSpec((None, None, None, self.k, 1), lambda b, h, c, *i: (b, h, c, 0, 0))
+        """Per-position (b, h, c, k, 1) vectors, whole chunk."""
+        return pl.BlockSpec((None, self.hb, None, self.k, 1), lambda b, hb, c, *i: (b, hb, c, 0, 0))
 
     def row(self):
-        """A per-position (b, h, c, 1, k) vector, whole chunk."""
-        return pl.BlockSpec((None, None, None, 1, self.k), lambda b, h, c, *i: (b, h, c, 0, 0))
+        """Per-position (b, h, c, 1, k) vectors, whole chunk."""
+        return pl.BlockSpec((None, self.hb, None, 1, self.k), lambda b, hb, c, *i: (b, hb, c, 0, 0))
 
     def column_tile(self):
-        """Tile i of a per-position column (output)."""
-        return pl.BlockSpec((None, None, None, self.tile, 1), lambda b, h, c, i: (b, h, c, i, 0))
+        """Tile i of per-position columns (outputs)."""
+        return pl.BlockSpec(
+            (None, self.hb, None, self.tile, 1), lambda b, hb, c, i: (b, hb, c, i, 0)
+        )
 
     def seq_column(self):
-        return pl.BlockSpec((None, None, self.k, 1), lambda b, h, c, *i: (b, c, 0, 0))
+        """Document ids (b, c, k, 1) of the chunk."""
+        return pl.BlockSpec((None, None, self.k, 1), lambda b, hb, c, *i: (b, c, 0, 0))
 
     def seq_row(self):
-        return pl.BlockSpec((None, None, 1, self.k), lambda b, h, c, *i: (b, c, 0, 0))
+        """Document ids (b, c, 1, k) of the chunk."""
+        return pl.BlockSpec((None, None, 1, self.k), lambda b, hb, c, *i: (b, c, 0, 0))
 
     def state(self, p, n):
-        """One chunk's (p, n) state of a (b, c, h, p, n) array."""
-        return pl.BlockSpec((None, None, None, p, n), lambda b, h, c, *i: (b, c, h, 0, 0))
+        """The chunk's (hb, p, n) states of a (b, c, h, p, n) array."""
+        return pl.BlockSpec((None, None, self.hb, p, n), lambda b, hb, c, *i: (b, c, hb, 0, 0))
 
     def scalar(self):
-        """D of head h, stored (h, 1, 1)."""
-        return pl.BlockSpec((None, 1, 1), lambda b, h, c, *i: (h, 0, 0))
+        """D of this program's heads, stored (h, 1, 1)."""
+        return pl.BlockSpec((self.hb, 1, 1), lambda b, hb, c, *i: (hb, 0, 0))
 
 
 def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps=4):
     """pallas_call with this variant's compiler parameters."""
     variant = layout.variant
     return pl.pallas_call(
-        functools.partial(kernel, tile=layout.tile),
+        functools.partial(kernel, tile=layout.tile, seq_major=layout.gpu),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -256,6 +318,15 @@ def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, nu
         ),
         interpret=interpret_for(variant, interpret),
     )
+
+
+def heads_per_block(r):
+    """Heads of one group per backward program: the largest power of two <= 8 dividing r, so
+    the per-block dB / dC sums are 8x smaller than per-head ones."""
+    hb = 1
+    while hb < 8 and r % (2 * hb) == 0:
+        hb *= 2
+    return hb
 
 
 def default_tile(variant, k):
@@ -282,7 +353,9 @@ class Prepared:
             self.p_pad, self.n_pad = _round_up_pow2(p, 16), _round_up_pow2(n, 16)
         else:
             self.p_pad, self.n_pad = p, n
-        self.layout = _Layout(variant, k, tile or default_tile(variant, k), h // g)
+        tile = tile or default_tile(variant, k)
+        self.layout = _Layout(variant, k, tile, h // g)
+        self.grad_layout = _Layout(variant, k, tile, h // g, heads_per_block(h // g))
 
         def pad(arr, f_pad):
             """Zero-pad the length to c * k and the feature dim to f_pad, in the mm dtype."""
@@ -330,7 +403,7 @@ def chunk_states(prep, x, w_bhck, B, *, interpret=None, num_warps=4):
         _chunk_state_kernel,
         lay,
         (b, h, prep.c),
-        [lay.chunk(p), lay.column(), lay.chunk(n, group=True)],
+        [lay.chunk(p), lay.column(), lay.group_chunk(n)],
         lay.state(p, n),
         jax.ShapeDtypeStruct((b, prep.c, h, p, n), F32),
         interpret=interpret,
@@ -338,30 +411,56 @@ def chunk_states(prep, x, w_bhck, B, *, interpret=None, num_warps=4):
     )(x, w_bhck[..., None], B)
 
 
-def pass_states(prep, S_bchpn, h0_bhpn):
-    """(H_in (b, c, h, p', n') entering each chunk, final state): a scan over chunks."""
+def _pass_kernel(s_ref, decay_ref, h0_ref, out_ref, last_ref, *, reverse):
+    """One (b, h): out[c] = the carry entering chunk c, carry = decay[c] * carry + s[c], over
+    the chunks in order (or in reverse); last = the carry after all of them."""
+    num = s_ref.shape[0]
 
-    def step(h_bhpn, inputs):
-        decay_bh, s_bhpn = inputs
-        return decay_bh[..., None, None] * h_bhpn + s_bhpn, h_bhpn
+    def body(j, carry_pn):
+        ci = num - 1 - j if reverse else j
+        out_ref[ci] = carry_pn
+        return decay_ref[ci] * carry_pn + s_ref[ci]
 
-    decay_cbh = jnp.moveaxis(prep.decay, 2, 0)
-    final, h_in_cbhpn = jax.lax.scan(step, h0_bhpn, (decay_cbh, jnp.moveaxis(S_bchpn, 1, 0)))
-    return jnp.moveaxis(h_in_cbhpn, 0, 1), final
+    last_ref[...] = jax.lax.fori_loop(0, num, body, h0_ref[...])
 
 
-def pass_state_grads(prep, dS_bchpn, dfinal_bhpn):
-    """Reverse scan: (dH_out (b, c, h, p', n') leaving each chunk, d initial state)."""
+def _pass(prep, s_bchpn, h0_bhpn, *, reverse, interpret=None):
+    """(carries (b, c, h, p', n'), last carry) of the linear recurrence over chunks: a Pallas
+    kernel on gpu (one program per (b, h), the carry in registers), a lax.scan on tpu."""
+    if not prep.layout.gpu:
 
-    def step(dh_out_bhpn, inputs):
-        decay_bh, ds_bhpn = inputs
-        return ds_bhpn + decay_bh[..., None, None] * dh_out_bhpn, dh_out_bhpn
+        def step(carry_bhpn, inputs):
+            decay_bh, s_bhpn = inputs
+            return decay_bh[..., None, None] * carry_bhpn + s_bhpn, carry_bhpn
 
-    decay_cbh = jnp.moveaxis(prep.decay, 2, 0)
-    dh0, dh_out_cbhpn = jax.lax.scan(
-        step, dfinal_bhpn, (decay_cbh, jnp.moveaxis(dS_bchpn, 1, 0)), reverse=True
-    )
-    return jnp.moveaxis(dh_out_cbhpn, 0, 1), dh0
+        xs = (jnp.moveaxis(prep.decay, 2, 0), jnp.moveaxis(s_bchpn, 1, 0))
+        last, out_cbhpn = jax.lax.scan(step, h0_bhpn, xs, reverse=reverse)
+        return jnp.moveaxis(out_cbhpn, 0, 1), last
+    b, c, h, p, n = s_bchpn.shape
+    state = pl.BlockSpec((None, None, p, n), lambda bi, hi: (bi, hi, 0, 0))
+    chunks = pl.BlockSpec((None, c, None, p, n), lambda bi, hi: (bi, 0, hi, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_pass_kernel, reverse=reverse),
+        grid=(b, h),
+        in_specs=[chunks, pl.BlockSpec((None, None, c), lambda bi, hi: (bi, hi, 0)), state],
+        out_specs=[chunks, state],
+        out_shape=[
+            jax.ShapeDtypeStruct(s_bchpn.shape, F32),
+            jax.ShapeDtypeStruct(h0_bhpn.shape, F32),
+        ],
+        compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
+        interpret=interpret_for("gpu", interpret),
+    )(s_bchpn, prep.decay, h0_bhpn)
+
+
+def pass_states(prep, S_bchpn, h0_bhpn, interpret=None):
+    """(H_in (b, c, h, p', n') entering each chunk, final state)."""
+    return _pass(prep, S_bchpn, h0_bhpn, reverse=False, interpret=interpret)
+
+
+def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, interpret=None):
+    """Reverse: (dH_out (b, c, h, p', n') leaving each chunk, d initial state)."""
+    return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, interpret=interpret)
 
 
 def pad_state(prep, state_bhpn):
@@ -382,7 +481,7 @@ def chunk_outputs(prep, h_in, *, interpret=None, num_warps=4):
     cs_c, dt_c, wout_c, cs_r, dt_r, _ = prep.vectors(prep.cs, prep.dt, prep.w_out)
     grid = (b, h, prep.c, prep.k // lay.tile)
     in_specs = [
-        lay.chunk(p), lay.chunk(n, True), lay.chunk(n, True), lay.column(), lay.row(),
+        lay.chunk(p), lay.group_chunk(n), lay.group_chunk(n), lay.column(), lay.row(),
         lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(p, n), lay.scalar(),
     ]  # fmt: skip
     return _call(
@@ -406,7 +505,7 @@ def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, i
     prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, tile)
     S = chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret,
                      num_warps=num_warps)  # fmt: skip
-    h_in, final = pass_states(prep, S, pad_state(prep, initial_state))
+    h_in, final = pass_states(prep, S, pad_state(prep, initial_state), interpret)
     y = chunk_outputs(prep, h_in, interpret=interpret, num_warps=num_warps)
     _, _, _, p, _, n = prep.shape
     y = prep.crop(prep.layout.from_seq_major(y), p)
@@ -425,37 +524,39 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
 
     # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
     dS = chunk_states(prep, dy_l, prep.w_out, prep.C, interpret=interpret, num_warps=num_warps)
-    dh_out, dh0 = pass_state_grads(prep, dS, pad_state(prep, dfinal))
+    dh_out, dh0 = pass_state_grads(prep, dS, pad_state(prep, dfinal), interpret)
 
     cs_c, dt_c, wout_c, wst_c, cs_r, dt_r, _, _ = prep.vectors(
         prep.cs, prep.dt, prep.w_out, prep.w_state
     )
     seq_c, seq_r = prep.seq[..., None], prep.seq[:, :, None]
-    grid = (b, h, c, k // lay.tile)
-    common = [lay.chunk(pp), lay.chunk(pp), lay.chunk(nn, True), lay.chunk(nn, True),
+    lay = prep.grad_layout
+    blocks = h // lay.hb
+    grid = (b, blocks, c, k // lay.tile)
+    common = [lay.chunk(pp), lay.chunk(pp), lay.group_chunk(nn), lay.group_chunk(nn),
               lay.column(), lay.row()]  # fmt: skip
     col_out = jax.ShapeDtypeStruct((b, h, c, k, 1), F32)
-    n_shape = (b, c * k, h, nn) if lay.variant == "gpu" else (b, h, c * k, nn)
-    dx, db_h, ddt_intra, v = _call(
+    sum_shape = (b, c * k, blocks, nn) if lay.gpu else (b, blocks, c * k, nn)
+    sum_out = jax.ShapeDtypeStruct(sum_shape, F32)
+    dx, db_blocks, ddt_intra, v = _call(
         _grad_source_kernel,
         lay,
         grid,
         common + [lay.column(), lay.seq_column(), lay.seq_row(), lay.column(),
                   lay.state(pp, nn), lay.scalar()],
-        [lay.tile_of(pp), lay.tile_of(nn), lay.column_tile(), lay.column_tile()],
-        [jax.ShapeDtypeStruct(prep.x.shape, x.dtype), jax.ShapeDtypeStruct(n_shape, F32),
-         col_out, col_out],
+        [lay.tile_of(pp), lay.tile_of(nn, heads=False), lay.column_tile(), lay.column_tile()],
+        [jax.ShapeDtypeStruct(prep.x.shape, x.dtype), sum_out, col_out, col_out],
         interpret=interpret,
         num_warps=num_warps,
     )(prep.x, dy_l, prep.B, prep.C, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
       prep.D[:, None, None])  # fmt: skip
-    dc_h, rowsum, u = _call(
+    dc_blocks, rowsum, u = _call(
         _grad_target_kernel,
         lay,
         grid,
         common + [lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(pp, nn)],
-        [lay.tile_of(nn), lay.column_tile(), lay.column_tile()],
-        [jax.ShapeDtypeStruct(n_shape, F32), col_out, col_out],
+        [lay.tile_of(nn, heads=False), lay.column_tile(), lay.column_tile()],
+        [sum_out, col_out, col_out],
         interpret=interpret,
         num_warps=num_warps,
     )(prep.x, dy_l, prep.B, prep.C, cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
@@ -473,11 +574,11 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     ddt = jnp.moveaxis(ddt.reshape(b, h, c * k), 1, 2)[:, :l]
 
     def group_sum(arr):
-        """Per-head (b, l', h, n') gradients summed over the heads of each group."""
+        """Per-head-block (b, l', h / hb, n') sums summed over the blocks of each group."""
         arr = lay.from_seq_major(arr)[:, :l, :, :n]
-        return arr.reshape(b, l, g, h // g, n).sum(axis=3)
+        return arr.reshape(b, l, g, blocks // g, n).sum(axis=3)
 
     dx = prep.crop(lay.from_seq_major(dx), p)
     dD = jnp.einsum("blhp,blhp->h", dy.astype(F32), x.astype(F32))
     dh0 = dh0[:, :, :p, :n]
-    return dx, ddt, dA, group_sum(db_h), group_sum(dc_h), dD, dh0
+    return dx, ddt, dA, group_sum(db_blocks), group_sum(dc_blocks), dD, dh0

@@ -100,7 +100,7 @@ def test_tpu_variant_interpreted():
 def test_lowers_for_hardware(variant, platform):
     """Forward and backward lower for the real compilers at a Mamba-2 130M-like shape."""
     S = jax.ShapeDtypeStruct
-    b, l, h, p, n = 2, 2048, 8, 64, 128
+    b, l, h, p, n = 2, 3072, 8, 64, 128
     args = (S((b, l, h, p), jnp.bfloat16), S((b, l, h), jnp.float32), S((h,), jnp.float32),
             S((b, l, 1, n), jnp.bfloat16), S((b, l, 1, n), jnp.bfloat16))  # fmt: skip
 
