@@ -11,11 +11,13 @@ of it, then grad_source (dx, dB, per source tile t) and grad_target (dC and the 
 per target tile s). The per-position decay gradient is assembled in JAX from the kernels'
 row sums; ddt is never obtained by dividing by dt.
 
-Kernels see one (b, h, chunk) at a time, tiled by `tile` rows; the (k, k) matrix of a chunk is
-never materialised whole, and nothing of size (b, l, h, p, n) is written. Variants: "gpu" keeps
-the (b, l, h, p) layout of the caller (strided blocks are free for Triton); "tpu" moves heads in
-front so every block ends in two whole-or-tiled dims. Letters: b batch, h head, g group, c
-chunk, k chunk length, s / t target / source position, p head dim, n state dim.
+C_s . B_t of every pair in a chunk is one batched matmul in XLA, shared by the heads of a
+group; the kernels read its (tile, tile) blocks. Kernels see one chunk and a block of heads at a
+time, tiled by `tile` rows; nothing of size (b, l, h, p, n) is written. Variants: "gpu" keeps
+the (b, l, h, p) layout of the caller (strided blocks are free for Triton) and passes states
+over chunks with a small kernel; "tpu" moves heads in front so every block ends in two
+whole-or-tiled dims, and passes states with a lax.scan. Letters: b batch, h head, g group,
+c chunk, k chunk length, s / t target / source position, p head dim, n state dim.
 """
 
 import functools
@@ -102,7 +104,7 @@ def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile, seq_major):
 
 
 def _chunk_out_kernel(
-    x_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
+    x_ref, cb_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
     h_ref, d_ref, y_ref, *, tile, seq_major,
 ):  # fmt: skip
     """y for target tile i of one head: the causal intra-chunk sum, the incoming state, D x."""
@@ -121,7 +123,7 @@ def _chunk_out_kernel(
         cols = pl.ds(start, tile)
         keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
         decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
-        scores_st = _dot(c_s, b_ref[cols, :], trans_b=True) * decay_st * dt_r_ref[:, cols]
+        scores_st = cb_ref[rows_s, cols] * decay_st * dt_r_ref[:, cols]
         return acc_sp + _dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
 
     acc_sp = jax.lax.fori_loop(0, i + 1, body, jnp.zeros((tile, x_ref.shape[1]), F32))
@@ -131,7 +133,7 @@ def _chunk_out_kernel(
 
 
 def _grad_source_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref,
+    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref,
     dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, *, tile, seq_major,
 ):  # fmt: skip
     """For source tile i (rows t) and a block of heads of one group, summing over targets
@@ -154,7 +156,7 @@ def _grad_source_kernel(
             cols = pl.ds(start, tile)
             keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
             decay_ts = _masked_exp(keep, _Head(cs_r_ref, hh)[:, cols] - cs_t)
-            cb_ts = _dot(b_t, c_ref[cols, :], trans_b=True)
+            cb_ts = cb_ref[cols, rows_t].T
             gl_ts = _dot(x_t, dy_h[cols, :], trans_b=True) * decay_ts
             dx_tp += _dot((cb_ts * decay_ts).astype(dy_t.dtype), dy_h[cols, :])
             db_head_tn += _dot(gl_ts.astype(c_ref.dtype), c_ref[cols, :])
@@ -179,7 +181,7 @@ def _grad_source_kernel(
 
 
 def _grad_target_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
+    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
     h_ref, dc_ref, rowsum_ref, u_ref, *, tile, seq_major,
 ):  # fmt: skip
     """For target tile i (rows s) and a block of heads of one group, summing over sources
@@ -203,7 +205,7 @@ def _grad_target_kernel(
             q_st = _dot(dy_s, x_h[cols, :], trans_b=True) * decay_st
             q_st *= _Head(dt_r_ref, hh)[:, cols]
             dc_head_sn += _dot(q_st.astype(b_ref.dtype), b_ref[cols, :])
-            cb_st = _dot(c_s, b_ref[cols, :], trans_b=True)
+            cb_st = cb_ref[rows_s, cols]
             rowsum_s1 += jnp.sum(q_st * cb_st, axis=1, keepdims=True)
             return dc_head_sn, rowsum_s1
 
@@ -268,6 +270,14 @@ class _Layout:
         per = self.k // self.tile
         return self._x_like(
             self.tile, self.hb if heads else None, f, lambda c, i: c * per + i, lambda hb: hb
+        )
+
+    def scores(self):
+        """The chunk's C B^T (k, k) of this program's group, from (b, c, g, k, k)."""
+        per = self.blocks_per_group
+        return pl.BlockSpec(
+            (None, None, None, self.k, self.k),
+            lambda b, hb, c, *i: (b, c, jax.lax.div(hb, per), 0, 0),
         )
 
     def column(self):
@@ -384,6 +394,17 @@ class Prepared:
         keep_bhc = (self.seq[:, :, -1] == doc_in_bc)[:, None]
         self.decay = jnp.where(keep_bhc, jnp.exp(cs_end[..., 0]), 0.0)
 
+    def scores(self):
+        """C_s . B_t for every pair of positions of each chunk: (b, c, g, k, k) fp32, one
+        batched matmul shared by all heads of a group (the kernels never recompute it)."""
+        b, _, _, _, g, _ = self.shape
+        c, k = self.c, self.k
+        if self.layout.gpu:
+            B, C = (v.reshape(b, c, k, g, self.n_pad) for v in (self.B, self.C))
+            return jnp.einsum("bcsgn,bctgn->bcgst", C, B, preferred_element_type=F32)
+        B, C = (v.reshape(b, g, c, k, self.n_pad) for v in (self.B, self.C))
+        return jnp.einsum("bgcsn,bgctn->bcgst", C, B, preferred_element_type=F32)
+
     def vectors(self, *arrays):
         """(b, h, c, k) fp32 arrays as (b, h, c, k, 1) columns / (b, h, c, 1, k) rows."""
         return [a[..., None] for a in arrays] + [a[..., None, :] for a in arrays]
@@ -481,7 +502,7 @@ def chunk_outputs(prep, h_in, *, interpret=None, num_warps=4):
     cs_c, dt_c, wout_c, cs_r, dt_r, _ = prep.vectors(prep.cs, prep.dt, prep.w_out)
     grid = (b, h, prep.c, prep.k // lay.tile)
     in_specs = [
-        lay.chunk(p), lay.group_chunk(n), lay.group_chunk(n), lay.column(), lay.row(),
+        lay.chunk(p), lay.scores(), lay.group_chunk(n), lay.column(), lay.row(),
         lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(p, n), lay.scalar(),
     ]  # fmt: skip
     return _call(
@@ -494,7 +515,7 @@ def chunk_outputs(prep, h_in, *, interpret=None, num_warps=4):
         interpret=interpret,
         num_warps=num_warps,
     )(
-        prep.x, prep.B, prep.C, cs_c, cs_r, dt_r, prep.seq[..., None], prep.seq[:, :, None],
+        prep.x, prep.scores(), prep.C, cs_c, cs_r, dt_r, prep.seq[..., None], prep.seq[:, :, None],
         wout_c, h_in, prep.D[:, None, None],
     )  # fmt: skip
 
@@ -530,11 +551,12 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         prep.cs, prep.dt, prep.w_out, prep.w_state
     )
     seq_c, seq_r = prep.seq[..., None], prep.seq[:, :, None]
+    cb = prep.scores()
     lay = prep.grad_layout
     blocks = h // lay.hb
     grid = (b, blocks, c, k // lay.tile)
     common = [lay.chunk(pp), lay.chunk(pp), lay.group_chunk(nn), lay.group_chunk(nn),
-              lay.column(), lay.row()]  # fmt: skip
+              lay.scores(), lay.column(), lay.row()]  # fmt: skip
     col_out = jax.ShapeDtypeStruct((b, h, c, k, 1), F32)
     sum_shape = (b, c * k, blocks, nn) if lay.gpu else (b, blocks, c * k, nn)
     sum_out = jax.ShapeDtypeStruct(sum_shape, F32)
@@ -548,7 +570,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         [jax.ShapeDtypeStruct(prep.x.shape, x.dtype), sum_out, col_out, col_out],
         interpret=interpret,
         num_warps=num_warps,
-    )(prep.x, dy_l, prep.B, prep.C, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
+    )(prep.x, dy_l, prep.B, prep.C, cb, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
       prep.D[:, None, None])  # fmt: skip
     dc_blocks, rowsum, u = _call(
         _grad_target_kernel,
@@ -559,7 +581,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         [sum_out, col_out, col_out],
         interpret=interpret,
         num_warps=num_warps,
-    )(prep.x, dy_l, prep.B, prep.C, cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
+    )(prep.x, dy_l, prep.B, prep.C, cb, cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
 
     # Decay gradient per position (see the module docstring for the terms), then a reverse
     # cumsum within each chunk gives d(dt * A).
