@@ -126,7 +126,7 @@ class Mamba2Config:
     conv_bias: bool = True  # bias in the conv
     bias: bool = False  # bias in in_proj and out_proj
     chunk_size: int = 256  # SSD chunk length Q (any sequence length works; padded internally)
-    ssd_impl: Literal["reference", "chunked"] = "chunked"  # ssd impl
+    ssd_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"  # "auto": Pallas on GPU
 
     def __post_init__(self):
         if self.chunk_size < 1:

@@ -21,6 +21,20 @@ def default_variant():
     return "tpu" if jax.default_backend() == "tpu" else "gpu"
 
 
+def auto_picks_pallas():
+    """Whether impl="auto" takes the Pallas kernels: on a GPU (where they were measured faster
+    than the pure-JAX paths, BENCHMARKS.md), and not under a multi-device mesh with
+    automatically partitioned axes (XLA cannot split a kernel's custom call; GSPMD partitions
+    the pure-JAX path instead). Inside shard_map (manual axes) each device runs its kernel.
+    TPU keeps the pure-JAX paths until the Mosaic variants are measured on a TPU."""
+    if jax.default_backend() != "gpu":
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return True
+    return all(kind == jax.sharding.AxisType.Manual for kind in mesh.axis_types)
+
+
 def check_variant(variant):
     """ValueError naming `variant` unless it is one of VARIANTS."""
     if variant not in VARIANTS:
@@ -55,6 +69,7 @@ def lower_for(platform, fn, *args, **kwargs):
 
 __all__ = [
     "VARIANTS",
+    "auto_picks_pallas",
     "check_variant",
     "compiler_params",
     "default_variant",

@@ -11,7 +11,7 @@ from . import kernel
 from .chunked import ssd_chunked
 from .reference import ssd_reference, ssd_sequential
 
-IMPLS = ("chunked", "pallas", "reference", "sequential")
+IMPLS = ("auto", "chunked", "pallas", "reference", "sequential")
 
 
 def _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl):
@@ -116,7 +116,7 @@ def ssd(
     initial_state=None,
     return_final_state=False,
     seq_idx=None,
-    impl="chunked",
+    impl="auto",
     variant=None,
     interpret=None,
     tile=None,
@@ -135,7 +135,9 @@ def ssd(
     state is the state at the end of the row's last run (started from zero at that run's
     start unless it is also the first run). No state crosses a change of seq_idx.
     Computes in fp32 (fp64 inputs stay fp64); y in x.dtype, final_state (b, h, p, n) in the
-    compute dtype. impl: "chunked" (Mamba-2 chunked algorithm, `chunk_size` a positive int),
+    compute dtype. impl: "auto" ("pallas" where `backend.auto_picks_pallas()` and the kernels
+    take these arguments, else "chunked"), "chunked" (Mamba-2 chunked algorithm, `chunk_size` a
+    positive int),
     "pallas" (the same algorithm as Pallas kernels with a hand-written backward; fp32 compute,
     matmul inputs in the inputs' dtype), "reference" (quadratic form, O(l^2)) or "sequential"
     (step-by-step recurrence); the last two validate but ignore chunk_size.
@@ -144,6 +146,14 @@ def ssd(
     tile, dividing chunk_size) and num_warps are tuning knobs.
     """
     _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl)
+    if impl == "auto":
+        impl = "chunked"
+        if backend.auto_picks_pallas() and variant in (None, "gpu"):
+            try:
+                _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, "gpu")
+                impl = "pallas"
+            except ValueError:  # e.g. a chunk size Triton cannot tile: the portable path
+                pass
     kwargs = dict(
         D=D, initial_state=initial_state, return_final_state=return_final_state, seq_idx=seq_idx
     )

@@ -200,7 +200,7 @@ def test_bad_inputs_raise(name, bad, match):
         (dict(chunk_size=-4), "chunk_size must be a positive int, got -4"),
         (dict(chunk_size=4.0), "chunk_size must be a positive int, got 4.0"),
         (dict(chunk_size=True), "chunk_size must be a positive int, got True"),
-        (dict(impl="pallas"), "impl must be one of"),
+        (dict(impl="triton"), "impl must be one of"),
     ],
 )
 def test_bad_static_args_raise(kwargs, match):

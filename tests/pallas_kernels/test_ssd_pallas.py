@@ -137,3 +137,24 @@ def test_compiled_on_gpu(dtype):
     ref = value_and_grads(inputs, cts, seq_idx, chunk_size=256, impl="chunked")
     got = value_and_grads(inputs, cts, seq_idx, chunk_size=256, impl="pallas", variant="gpu")
     assert_matches(flat(got), flat(ref), dtype)
+
+
+def test_auto_picks_pallas_on_one_gpu_only(monkeypatch):
+    """impl="auto": the kernels on a GPU without a multi-device mesh (or inside shard_map),
+    the pure-JAX path under an automatically partitioned mesh and off-GPU."""
+    from pallas_kernels import backend
+
+    assert not backend.auto_picks_pallas()  # CPU
+    monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
+    assert backend.auto_picks_pallas()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        assert not backend.auto_picks_pallas()
+        seen = []
+
+        def body(x):
+            seen.append(backend.auto_picks_pallas())
+            return x
+
+        jax.shard_map(body, in_specs=jax.P("data"), out_specs=jax.P("data"))(jnp.zeros(8))
+    assert seen == [True]
