@@ -11,6 +11,7 @@ scan is compiled there with torch's cpp_extension (sm_90, about two minutes) int
 
 import glob
 import importlib
+import importlib.util
 import os
 import sys
 import types
@@ -37,13 +38,49 @@ def triton_ssd(peer_dir):
     return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
 
 
+def _prebuilt(build_dir):
+    """The extension from build_dir/selective_scan_cuda.so(.gz) of an earlier build, or None."""
+    import gzip
+    import importlib.machinery
+    import importlib.util
+    import shutil
+
+    import torch  # noqa: F401  (the extension links against torch's libraries)
+
+    path = os.path.join(build_dir, "selective_scan_cuda.so")
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        with gzip.open(path + ".gz") as src, open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    if not os.path.exists(path):
+        return None
+    loader = importlib.machinery.ExtensionFileLoader("selective_scan_cuda", path)
+    spec = importlib.util.spec_from_loader("selective_scan_cuda", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 def cuda_selective_scan(peer_dir, build_dir):
-    """mamba_ssm's selective_scan_fn over its CUDA kernels, compiled here for sm_90."""
+    """mamba_ssm's selective_scan_fn over its CUDA kernels, compiled here for sm_90 (or loaded
+    from an earlier build's selective_scan_cuda.so[.gz] in build_dir)."""
+    ext = _prebuilt(build_dir) or _build(peer_dir, build_dir)
+    sys.modules["selective_scan_cuda"] = ext
+    _bare_packages(peer_dir)
+    spec = importlib.util.spec_from_file_location(
+        "mamba_selective_scan_interface", os.path.join(peer_dir, "selective_scan_interface.py")
+    )
+    interface = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(interface)
+    return interface.selective_scan_fn
+
+
+def _build(peer_dir, build_dir):
+    """Compile csrc/selective_scan with torch's cpp_extension (sm_90, mamba_ssm's flags)."""
     from torch.utils.cpp_extension import load
 
     src = os.path.join(peer_dir, "csrc", "selective_scan")
     os.makedirs(build_dir, exist_ok=True)
-    ext = load(
+    return load(
         name="selective_scan_cuda",
         sources=sorted(
             glob.glob(os.path.join(src, "*.cpp")) + glob.glob(os.path.join(src, "*.cu"))
@@ -70,11 +107,3 @@ def cuda_selective_scan(peer_dir, build_dir):
         build_directory=build_dir,
         verbose=False,
     )
-    sys.modules["selective_scan_cuda"] = ext
-    _bare_packages(peer_dir)
-    spec = importlib.util.spec_from_file_location(
-        "mamba_selective_scan_interface", os.path.join(peer_dir, "selective_scan_interface.py")
-    )
-    interface = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(interface)
-    return interface.selective_scan_fn
