@@ -1,7 +1,14 @@
-"""Mamba-1 selective scan (S6): reference recurrence and a chunked associative-scan path."""
+"""Mamba-1 selective scan (S6): reference recurrence, a chunked associative-scan path and
+fused Pallas kernels (impl="pallas", tuned by BlockSizes)."""
 
 from .associative import selective_scan_associative
 from .ops import selective_scan
 from .reference import selective_scan_reference
+from .tiling import BlockSizes
 
-__all__ = ["selective_scan", "selective_scan_associative", "selective_scan_reference"]
+__all__ = [
+    "BlockSizes",
+    "selective_scan",
+    "selective_scan_associative",
+    "selective_scan_reference",
+]

@@ -3,12 +3,15 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 
+from .. import backend
 from ..checks import check_float, check_shape
+from . import kernel, tiling
 from .associative import selective_scan_associative
 from .reference import selective_scan_reference
 
-IMPLS = ("associative", "reference")
+IMPLS = ("associative", "pallas", "reference")
 
 
 def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
@@ -40,7 +43,73 @@ def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
     return b, l, d, n
 
 
-@functools.partial(jax.jit, static_argnames=("return_final_state", "impl", "chunk_size"))
+def _check_pallas(arrays, variant, block_sizes):
+    """What impl="pallas" needs beyond the op's contract (fp32/bf16 inputs, a known variant,
+    valid block sizes; ValueError naming the value otherwise); returns the resolved sizes."""
+    backend.check_variant(variant)
+    for name, arr in arrays.items():
+        if arr is not None and arr.dtype == jnp.float64:
+            raise ValueError(f"impl='pallas' computes in fp32; {name} is float64")
+    if block_sizes is not None and not isinstance(block_sizes, tiling.BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes, got {block_sizes!r}")
+    return tiling.resolve_block_sizes(variant, block_sizes)
+
+
+def _fwd_knobs(sizes):
+    """Forward kernel keyword arguments of a resolved BlockSizes."""
+    return dict(chunk=sizes.chunk, chunk_bwd=sizes.chunk_bwd, block_d=sizes.block_d,
+                num_warps=sizes.num_warps)  # fmt: skip
+
+
+def _bwd_knobs(sizes):
+    """Backward kernel keyword arguments of a resolved BlockSizes."""
+    return dict(chunk_bwd=sizes.chunk_bwd, block_d=sizes.block_d_bwd,
+                num_warps=sizes.num_warps_bwd)  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
+    """(y, final state) by the Pallas kernels, differentiable through the fused backward."""
+    y, final, _ = kernel.forward(
+        x, dt, A, B, C, D, z, initial_state, variant=variant, interpret=interpret,
+        **_fwd_knobs(sizes),
+    )  # fmt: skip
+    return y, final
+
+
+def _pallas_scan_fwd(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
+    """Forward that also saves the state every chunk_bwd steps for the backward."""
+    y, final, states = kernel.forward(
+        x, dt, A, B, C, D, z, initial_state, variant=variant, interpret=interpret,
+        save_states=True, **_fwd_knobs(sizes),
+    )  # fmt: skip
+    return (y, final), (x, dt, A, B, C, D, z, initial_state, states)
+
+
+def _pallas_scan_bwd(variant, interpret, sizes, residuals, cotangents):
+    """Cotangents of every input (None for absent optional ones), in the inputs' dtypes."""
+    x, dt, A, B, C, D, z, initial_state, states = residuals
+    dout, dfinal = cotangents
+    dx, ddt, dA, dB, dC, dD, dz, dh0 = kernel.backward(
+        x, dt, A, B, C, D, z, initial_state, states, dout, dfinal, variant=variant,
+        interpret=interpret, **_bwd_knobs(sizes),
+    )  # fmt: skip
+    cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
+    return (
+        dx, ddt, cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), dz,
+        cast(dh0, initial_state),
+    )  # fmt: skip
+
+
+_pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "return_final_state", "impl", "chunk_size", "variant", "interpret", "block_sizes"
+    ),
+)  # fmt: skip
 def selective_scan(
     x,
     dt,
@@ -54,17 +123,30 @@ def selective_scan(
     return_final_state=False,
     impl="associative",
     chunk_size=64,
+    variant=None,
+    interpret=None,
+    block_sizes=None,
 ):
     """Mamba-1 selective scan (S6): y, or (y, final_state) if return_final_state.
 
     Shapes: x, dt, z (b, l, d); A (d, n); B, C (b, l, n); D (d,); initial_state (b, d, n).
     dt is already positive (softplus applied by the caller). Computes in fp32 (fp64 inputs
     stay fp64); y comes back in x.dtype, final_state (b, d, n) in the compute dtype.
-    impl: "associative" (chunked associative scan, `chunk_size` steps per chunk) or
+    impl: "associative" (chunked associative scan, `chunk_size` steps per chunk), "pallas"
+    (fused Pallas kernels with a fused backward; fp32/bf16 inputs; ignores chunk_size) or
     "reference" (sequential lax.scan over time; ignores chunk_size).
+    Pallas only: variant "gpu" (Triton) or "tpu" (Mosaic), None = the backend's; interpret
+    None = compiled on the variant's hardware, interpreted elsewhere, True = interpreted;
+    block_sizes a BlockSizes of tuning knobs (None = the variant's defaults).
     """
     _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size)
     kwargs = dict(D=D, z=z, initial_state=initial_state, return_final_state=return_final_state)
+    if impl == "pallas":
+        variant = variant or backend.default_variant()
+        arrays = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
+        sizes = _check_pallas(arrays, variant, block_sizes)
+        y, final = _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes)
+        return (y, final) if return_final_state else y
     if impl == "reference":
         return selective_scan_reference(x, dt, A, B, C, **kwargs)
     return selective_scan_associative(x, dt, A, B, C, chunk_size=chunk_size, **kwargs)

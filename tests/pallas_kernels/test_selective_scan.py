@@ -205,7 +205,7 @@ def test_bad_inputs_raise(name, bad, match):
     [
         (dict(chunk_size=0), "chunk_size must be a positive int"),
         (dict(chunk_size=8.0), "chunk_size must be a positive int"),
-        (dict(impl="pallas"), "impl must be one of"),
+        (dict(impl="fused"), "impl must be one of"),
     ],
 )
 def test_bad_static_args_raise(kwargs, match):

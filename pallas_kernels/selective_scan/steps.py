@@ -1,0 +1,135 @@
+"""The per-step math of the Pallas selective scan, shared by its gpu and tpu kernels.
+
+Both variants hold the state of one channel block as a 2-D fp32 tile and differ only in
+which axis carries the channels: gpu (block_d, n), tpu (n, block_d) with channels on lanes.
+Per-channel inputs (x, dt, z, dout) and per-state inputs (B, C) come as 2-D vectors that
+broadcast against the tile, so the same code serves both layouts. The steps of a chunk are
+unrolled in Python, so their loads, which do not depend on the state, can be issued ahead of
+the steps that use them.
+"""
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)  # exp(dt A) = exp2(dt A log2(e)): one multiply less per step
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """Layout of a state tile: the axis of the channels (d), the axis of the state index (n),
+    and whether per-channel and per-state vectors keep the tile's rank (tpu) or are 1-D
+    (gpu: a 1-D reduction result feeds stores and elementwise ops in its own Triton layout,
+    where a (block_d, 1) column would take a layout conversion through shared memory)."""
+
+    channel: int
+    state: int
+    keepdims: bool
+
+    def channel_tile(self, v):
+        """A per-channel vector as an operand broadcasting against the tile."""
+        return v if self.keepdims else jnp.expand_dims(v, self.state)
+
+    def state_tile(self, v):
+        """A per-state vector as an operand broadcasting against the tile."""
+        return v if self.keepdims else jnp.expand_dims(v, self.channel)
+
+    def sum_state(self, tile):
+        """Sum over n: a per-channel vector."""
+        return jnp.sum(tile, axis=self.state, keepdims=self.keepdims)
+
+    def sum_channel(self, tile):
+        """Sum over the block's channels: a per-state vector."""
+        return jnp.sum(tile, axis=self.channel, keepdims=self.keepdims)
+
+
+class Step(NamedTuple):
+    """One time step's inputs in fp32: x, dt, z, dout per channel (z, dout may be None) and
+    B, C per state, shaped as the tile's Axes shape such vectors."""
+
+    x: jax.Array
+    dt: jax.Array
+    z: jax.Array | None
+    dout: jax.Array | None
+    B: jax.Array
+    C: jax.Array
+
+
+class StepGrads(NamedTuple):
+    """One time step's gradients: dx, ddt, dz (None without z) per channel; dB, dC per state
+    (partial sums over the block's channels)."""
+
+    dx: jax.Array
+    ddt: jax.Array
+    dz: jax.Array | None
+    dB: jax.Array
+    dC: jax.Array
+
+
+def forward_steps(h, steps, A2, D, axes, emit):
+    """Advance state tile h over `steps`; emit(i, y_i) per step; return the last state.
+
+    A2 = A log2(e) (a tile); D per channel; y_i = (C_i . h_i + D x_i) silu(z_i) in fp32."""
+    ch, st = axes.channel_tile, axes.state_tile
+    for i, s in enumerate(steps):
+        h = jnp.exp2(ch(s.dt) * A2) * h + ch(s.dt * s.x) * st(s.B)
+        y = axes.sum_state(h * st(s.C)) + D * s.x
+        emit(i, y if s.z is None else y * silu(s.z))
+    return h
+
+
+def backward_steps(h_start, dh, dA, steps, A, A2, D, axes, emit):
+    """Reverse mode of forward_steps from the chunk's start state h_start.
+
+    dh: dL/dh at the chunk's last step (from later chunks); dA: running sum (a tile). The
+    chunk's states are recomputed (`chunk` state tiles live at once), then emit(i, StepGrads)
+    runs for i from last to first. Returns (dh before the chunk, dA).
+    """
+    ch, st = axes.channel_tile, axes.state_tile
+    states = [h_start]
+    for s in steps:
+        states.append(jnp.exp2(ch(s.dt) * A2) * states[-1] + ch(s.dt * s.x) * st(s.B))
+    for i in reversed(range(len(steps))):
+        s, h_prev, h = steps[i], states[i], states[i + 1]
+        decay = jnp.exp2(ch(s.dt) * A2)  # recomputed: cheaper than `chunk` more live tiles
+        dy, dz = s.dout, None
+        if s.z is not None:
+            sig = jax.nn.sigmoid(s.z)
+            y = axes.sum_state(h * st(s.C)) + D * s.x
+            dz = s.dout * y * sig * (1.0 + s.z * (1.0 - sig))
+            dy = s.dout * s.z * sig
+        dh = dh + ch(dy) * st(s.C)
+        ds = axes.sum_state(dh * st(s.B))
+        g = dh * decay * h_prev
+        emit(
+            i,
+            StepGrads(
+                dx=s.dt * ds + D * dy,
+                ddt=s.x * ds + axes.sum_state(g * A),
+                dz=dz,
+                dB=axes.sum_channel(dh * ch(s.dt * s.x)),
+                dC=axes.sum_channel(ch(dy) * h),
+            ),
+        )
+        dA = dA + g * ch(s.dt)
+        dh = decay * dh
+    return dh, dA
+
+
+def chunk_dD(x, z, dout, keepdims):
+    """dL/dD of one chunk from its (chunk, block_d) tiles: sum_t dout_t silu(z_t) x_t (fp32).
+
+    Taken per chunk on whole tiles, apart from the steps: on gpu a per-step term would be
+    computed again, loads included, in the layout of its accumulator (a layout of its own)."""
+    x, dout = x.astype(F32), dout.astype(F32)
+    dy = dout if z is None else dout * silu(z.astype(F32))
+    return jnp.sum(dy * x, axis=0, keepdims=keepdims)
+
+
+def silu(z):
+    """z sigmoid(z)."""
+    return z * jax.nn.sigmoid(z)

@@ -1,0 +1,218 @@
+"""Tests for impl="pallas" of the Mamba-1 selective scan: the kernels against the definition.
+
+On CPU the gpu variant runs in Pallas interpret mode and the tpu variant in TPU interpret mode
+(tiny shapes only); both are cross-lowered for "cuda" and "tpu" at a realistic shape, which
+catches unsupported primitives and bad block shapes of the compiled kernels. The gpu-marked
+tests run the compiled Triton kernels against the reference.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.backend import lower_for
+from pallas_kernels.selective_scan import BlockSizes, selective_scan
+
+jax.config.update("jax_enable_x64", False)
+
+# Declared once per dtype. fp32: both sides compute in fp32 (exp2 vs exp, other summation
+# orders). bf16: outputs and gradients are rounded to bf16 once on each side (1 ulp = 2^-7).
+TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+GRAD_TOL = {jnp.float32: dict(atol=1e-4, rtol=1e-4), jnp.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+OPTIONAL = ("D", "z", "initial_state")
+
+
+def make_inputs(b, l, d, n, seed=0, dtype=jnp.float32, optional=OPTIONAL):
+    """Random S6 inputs (numpy RNG): positive dt, negative A; optional inputs not named are None."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
+    inputs = dict(
+        x=normal(b, l, d),
+        dt=np.log1p(np.exp(normal(b, l, d) - 1.0)),  # softplus
+        A=-np.exp(normal(d, n)),
+        B=normal(b, l, n),
+        C=normal(b, l, n),
+        D=normal(d),
+        z=normal(b, l, d),
+        initial_state=normal(b, d, n),
+    )
+    return {k: (jnp.asarray(v, dtype) if k not in OPTIONAL or k in optional else None)
+            for k, v in inputs.items()}  # fmt: skip
+
+
+def run(inputs, **kwargs):
+    """(y, final_state) of selective_scan on a dict of inputs (None entries dropped)."""
+    opt = {k: inputs[k] for k in OPTIONAL if inputs[k] is not None}
+    pos = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    return selective_scan(*pos, **opt, return_final_state=True, **kwargs)
+
+
+def outputs_and_grads(inputs, seed=1, **kwargs):
+    """y, final state and the vjp of a random cotangent of both, for every present input."""
+    present = {k: v for k, v in inputs.items() if v is not None}
+    y, h = run(inputs, **kwargs)
+    rng = np.random.default_rng(seed)
+    dy = jnp.asarray(rng.standard_normal(y.shape), y.dtype)
+    dh = jnp.asarray(rng.standard_normal(h.shape), h.dtype)
+
+    @jax.jit
+    def grads(present):
+        """Cotangents of every present input."""
+        _, vjp = jax.vjp(lambda p: run(dict(inputs, **p), **kwargs), present)
+        return vjp((dy, dh))[0]
+
+    return y, h, grads(present)
+
+
+def assert_close(actual, desired, tol, name=""):
+    """assert_allclose on fp32 copies."""
+    actual, desired = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
+    np.testing.assert_allclose(actual, desired, err_msg=name, **tol)
+
+
+def check_against_reference(inputs, dtype, **kwargs):
+    """Pallas y, final state and gradients equal the reference's (same dtypes, finite)."""
+    y, h, g = outputs_and_grads(inputs, impl="pallas", **kwargs)
+    y_ref, h_ref, g_ref = outputs_and_grads(inputs, impl="reference")
+    assert y.dtype == inputs["x"].dtype and h.dtype == jnp.float32
+    assert_close(y, y_ref, TOL[dtype], "y")
+    assert_close(h, h_ref, TOL[jnp.float32 if dtype == jnp.bfloat16 else dtype], "final state")
+    assert g.keys() == g_ref.keys()
+    for name in g:
+        assert g[name].dtype == inputs[name].dtype, name
+        assert np.all(np.isfinite(np.asarray(g[name], np.float32))), name
+        assert_close(g[name], g_ref[name], GRAD_TOL[dtype], name)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, sizes, optional",
+    [
+        # l = 37: not a multiple of the chunks; d = 20: not of block_d; n = 5: padded to 8
+        ((2, 37, 20, 5), jnp.float32, BlockSizes(chunk=8, chunk_bwd=4, block_d=8), OPTIONAL),
+        # no optional input; the backward blocks channels differently from the forward
+        ((1, 16, 8, 4), jnp.float32, BlockSizes(chunk=8, block_d_bwd=4), ()),
+        ((2, 21, 12, 16), jnp.bfloat16, BlockSizes(chunk=8, chunk_bwd=4, block_d=4), OPTIONAL),
+    ],
+)
+def test_gpu_variant_matches_reference(shape, dtype, sizes, optional):
+    """The gpu (Triton) kernels, interpreted: values and gradients of every input."""
+    inputs = make_inputs(*shape, dtype=dtype, optional=optional)
+    check_against_reference(inputs, dtype, variant="gpu", interpret=True, block_sizes=sizes)
+
+
+def test_gpu_variant_without_final_state():
+    """return_final_state=False gives the same y (the final-state cotangent is then zero)."""
+    inputs = make_inputs(1, 9, 3, 2, seed=4)
+    opt = {k: inputs[k] for k in OPTIONAL}
+    pos = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    pallas = functools.partial(selective_scan, impl="pallas", variant="gpu", interpret=True)
+    y = pallas(*pos, **opt)
+    assert_close(y, selective_scan(*pos, **opt, impl="reference"), TOL[jnp.float32])
+    grad = jax.grad(lambda x: jnp.sum(pallas(x, *pos[1:], **opt) ** 2))(pos[0])
+    grad_ref = jax.grad(
+        lambda x: jnp.sum(selective_scan(x, *pos[1:], **opt, impl="reference") ** 2)
+    )(pos[0])
+    assert_close(grad, grad_ref, GRAD_TOL[jnp.float32])
+
+
+def test_tpu_variant_matches_reference():
+    """The tpu (Mosaic) kernels in TPU interpret mode on a small shape: 20 steps in chunks of
+    16 (forward) and 8 (backward), d = 136 in two blocks of 128 lanes, n = 5 padded to 8."""
+    inputs = make_inputs(1, 20, 136, 5, seed=2)
+    sizes = BlockSizes(chunk=16, chunk_bwd=8)
+    check_against_reference(inputs, jnp.float32, variant="tpu", interpret=True, block_sizes=sizes)
+
+
+def _realistic_args(b=2, l=2048, d=1536, n=16):
+    """Abstract bf16 inputs of a Mamba-1 layer's scan (A, D, initial_state fp32)."""
+    sds = jax.ShapeDtypeStruct
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    seq, bc = sds((b, l, d), bf16), sds((b, l, n), bf16)
+    return dict(x=seq, dt=seq, A=sds((d, n), f32), B=bc, C=bc, D=sds((d,), f32), z=seq,
+                initial_state=sds((b, d, n), f32))  # fmt: skip
+
+
+@pytest.mark.parametrize("platform, variant", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_cross_lowering(platform, variant):
+    """Forward and forward+backward lower for the variant's compiler at (b2, l2048, d1536,
+    n16) bf16: every primitive has a Triton / Mosaic lowering, every block shape is legal."""
+
+    def forward(inputs):
+        """y and final state, compiled (not interpreted)."""
+        return run(inputs, impl="pallas", variant=variant, interpret=False)
+
+    def grads(inputs):
+        """Gradients of a loss of both outputs."""
+        y, h = forward(inputs)
+        return jax.grad(lambda i: jnp.sum(forward(i)[0].astype(jnp.float32)) + jnp.sum(h))(inputs)
+
+    call = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+    for fn, kernels in ((forward, 1), (grads, 2)):
+        text = lower_for(platform, fn, _realistic_args())
+        assert text.count(call) >= kernels, fn.__name__
+
+
+def _largest_array(jaxpr):
+    """Elements of the largest array a jaxpr (or any sub-jaxpr) produces."""
+    biggest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    biggest = max(biggest, _largest_array(sub))
+    return biggest
+
+
+def test_no_state_sequence_is_materialized():
+    """Forward + backward never produce a (b, l, d, n) array: the residual is one state per
+    chunk_bwd steps."""
+    b, l, d, n = 1, 256, 8, 16
+    args = _realistic_args(b, l, d, n)
+
+    def loss(inputs):
+        """Sum of both outputs."""
+        y, h = run(inputs, impl="pallas", variant="gpu", interpret=True)
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h)
+
+    assert _largest_array(jax.make_jaxpr(jax.grad(loss))(args).jaxpr) < b * l * d * n
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(variant="cuda"), "variant must be one of"),
+        (dict(block_sizes=(8,)), "block_sizes must be a BlockSizes"),
+        (dict(block_sizes=BlockSizes(block_d=24)), "block_d must be a power of two"),
+        (dict(block_sizes=BlockSizes(chunk=0)), "chunk must be a positive int"),
+        (dict(block_sizes=BlockSizes(chunk=8, chunk_bwd=16)), "chunk_bwd must divide chunk"),
+        (dict(variant="tpu", block_sizes=BlockSizes(block_d=64)), "multiple of 128 on tpu"),
+        (dict(variant="tpu", block_sizes=BlockSizes(chunk=12)), "multiple of 8 on tpu"),
+    ],
+)
+def test_bad_pallas_arguments_raise(kwargs, match):
+    """Bad variant or block sizes raise ValueError naming the value."""
+    with pytest.raises(ValueError, match=match):
+        run(make_inputs(1, 7, 3, 2), impl="pallas", interpret=True, **kwargs)
+
+
+def test_float64_is_refused():
+    """impl='pallas' computes in fp32: a float64 input is an error naming it."""
+    with jax.enable_x64(True):
+        inputs = make_inputs(1, 7, 3, 2)
+        inputs["dt"] = inputs["dt"].astype(jnp.float64)
+        with pytest.raises(ValueError, match="dt is float64"):
+            run(inputs, impl="pallas", interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compiled_gpu_kernels_match_reference(dtype):
+    """The compiled Triton kernels at (b2, l1024, d512, n16): values and gradients."""
+    inputs = make_inputs(2, 1024, 512, 16, seed=3, dtype=dtype)
+    check_against_reference(inputs, dtype, variant="gpu")
