@@ -106,7 +106,7 @@ class MambaConfig:
     dt_scale: float = 1.0  # dt_proj weight init bound = dt_scale / sqrt(R)
     conv_bias: bool = True  # bias in the conv
     bias: bool = False  # bias in in_proj and out_proj
-    scan_impl: Literal["reference", "associative"] = "associative"  # selective_scan impl
+    scan_impl: Literal["auto", "reference", "associative", "pallas"] = "auto"  # auto: Pallas on GPU
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,7 +126,7 @@ class Mamba2Config:
     conv_bias: bool = True  # bias in the conv
     bias: bool = False  # bias in in_proj and out_proj
     chunk_size: int = 256  # SSD chunk length Q (any sequence length works; padded internally)
-    ssd_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"  # "auto": Pallas on GPU
+    ssd_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"  # auto: Pallas on GPU
 
     def __post_init__(self):
         if self.chunk_size < 1:

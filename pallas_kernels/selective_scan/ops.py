@@ -11,7 +11,7 @@ from . import kernel, tiling
 from .associative import selective_scan_associative
 from .reference import selective_scan_reference
 
-IMPLS = ("associative", "pallas", "reference")
+IMPLS = ("auto", "associative", "pallas", "reference")
 
 
 def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
@@ -121,7 +121,7 @@ def selective_scan(
     z=None,
     initial_state=None,
     return_final_state=False,
-    impl="associative",
+    impl="auto",
     chunk_size=64,
     variant=None,
     interpret=None,
@@ -132,7 +132,9 @@ def selective_scan(
     Shapes: x, dt, z (b, l, d); A (d, n); B, C (b, l, n); D (d,); initial_state (b, d, n).
     dt is already positive (softplus applied by the caller). Computes in fp32 (fp64 inputs
     stay fp64); y comes back in x.dtype, final_state (b, d, n) in the compute dtype.
-    impl: "associative" (chunked associative scan, `chunk_size` steps per chunk), "pallas"
+    impl: "auto" ("pallas" where `backend.auto_picks_pallas()` and the inputs are fp32/bf16,
+    else "associative"), "associative" (chunked associative scan, `chunk_size` steps per
+    chunk), "pallas"
     (fused Pallas kernels with a fused backward; fp32/bf16 inputs; ignores chunk_size) or
     "reference" (sequential lax.scan over time; ignores chunk_size).
     Pallas only: variant "gpu" (Triton) or "tpu" (Mosaic), None = the backend's; interpret
@@ -141,9 +143,13 @@ def selective_scan(
     """
     _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size)
     kwargs = dict(D=D, z=z, initial_state=initial_state, return_final_state=return_final_state)
+    arrays = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
+    if impl == "auto":
+        fp64 = any(a is not None and a.dtype == jnp.float64 for a in arrays.values())
+        usable = backend.auto_picks_pallas() and variant in (None, "gpu") and not fp64
+        impl = "pallas" if usable else "associative"
     if impl == "pallas":
         variant = variant or backend.default_variant()
-        arrays = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
         sizes = _check_pallas(arrays, variant, block_sizes)
         y, final = _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes)
         return (y, final) if return_final_state else y
