@@ -36,6 +36,7 @@ class SparseConfig:
     official_code: bool = (
         False  # the official code's (leaky, dense) behaviours instead of the paper's
     )
+    impl: Literal["auto", "indexed", "pallas"] = "auto"  # op impl; auto: Pallas on GPU
 
     def __post_init__(self):
         if self.pattern:

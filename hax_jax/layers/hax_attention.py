@@ -159,6 +159,7 @@ class HaxBranch(nnx.Module):
             max_len=self.cfg.max_len,
             binning=self.cfg.binning,
             official_code=self.cfg.official_code,
+            impl=self.cfg.impl,
         )
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:

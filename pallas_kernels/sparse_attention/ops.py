@@ -6,14 +6,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .. import backend
 from ..checks import check_float, check_shape
+from . import flash
 from .indexed import sparse_attention_indexed
+from .kernel import BlockSizes
 from .prefill import prefill_arrays
 from .reference import BINNINGS, COMPONENTS, component_budget, sparse_attention_reference
 from .step import SparseAttentionCache, init_cache_arrays, step_arrays
 
 # Sign buckets are int32 bit sets: 2^h must fit.
 MAX_SIGN_BITS = 30
+IMPLS = ("auto", "indexed", "pallas")
 
 
 def parse_pattern(pattern):
@@ -92,9 +96,54 @@ def _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binnin
     return comps
 
 
+def _check_pallas(pattern, official_code, variant, blocks):
+    """What impl="pallas" supports beyond the op's contract."""
+    if official_code:
+        raise ValueError("impl='pallas' has no official_code mode (use impl='indexed')")
+    parse_pattern(pattern)
+    if "+".join(sorted(pattern.split("+"), reverse=True)) not in flash.SUPPORTED_PATTERNS:
+        raise ValueError(
+            f"impl='pallas' supports the patterns {flash.SUPPORTED_PATTERNS} (in any order), "
+            f"got {pattern!r}"
+        )
+    backend.check_variant(variant)
+    for name in ("block_q", "block_k", "block_e"):
+        size = getattr(blocks, name)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size!r}")
+    for name in ("num_warps", "num_stages"):
+        _check_positive_int(name, getattr(blocks, name))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _sparse_attention_pallas(q, k, v, layout, kc, cfg):
+    """o by the Pallas kernels; differentiable in q, k, v through the hand-written backward."""
+    return flash.forward(q, k, v, layout, kc=kc, cfg=cfg)[0]
+
+
+def _sparse_attention_pallas_fwd(q, k, v, layout, kc, cfg):
+    """Forward, saving the inputs, the selection, o and the log-sum-exp for the backward."""
+    o, lse = flash.forward(q, k, v, layout, kc=kc, cfg=cfg)
+    return o, (q, k, v, layout, o, lse)
+
+
+def _sparse_attention_pallas_bwd(kc, cfg, residuals, do):
+    """The backward kernels (FlashAttention-2 style, from the saved lse)."""
+    q, k, v, layout, o, lse = residuals
+    dq, dk, dv = flash.backward(q, k, v, layout, o, lse, do, kc=kc, cfg=cfg)
+    return dq, dk, dv, None  # the selection (layout) is discrete: no gradient
+
+
+_sparse_attention_pallas.defvjp(_sparse_attention_pallas_fwd, _sparse_attention_pallas_bwd)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("pattern", "num_keys", "max_len", "binning", "official_code")
-)
+    jax.jit,
+    static_argnames=(
+        "pattern", "num_keys", "max_len", "binning", "official_code", "impl", "variant",
+        "interpret", "block_q", "block_k", "block_e", "num_warps", "num_stages",
+    ),
+)  # fmt: skip
 def sparse_attention(
     q,
     k,
@@ -107,6 +156,14 @@ def sparse_attention(
     max_len=None,
     binning="sign",
     official_code=False,
+    impl="auto",
+    variant=None,
+    interpret=None,
+    block_q=64,
+    block_k=64,
+    block_e=128,
+    num_warps=4,
+    num_stages=2,
 ):
     """HAX context-dependent sparse attention (one head, causal): o (b, l, e) in v.dtype.
 
@@ -123,8 +180,27 @@ def sparse_attention(
     code instead (non-causal LSH centring and normalisation over the whole sequence; a query
     with no selected key gets a uniform softmax over ALL l positions, future included) with
     dense (l, l) masks: quadratic by design, and not causal.
+
+    impl: "auto" ("pallas" where `backend.auto_picks_pallas()` and it takes the pattern, else
+    "indexed"), "indexed" (gathers each query's keys, pure JAX) or "pallas" (flash-style kernels
+    over key tiles shared by blocks of queries; patterns lsh, ks, lsh+ks only; same result).
+    Pallas only: variant "gpu" (Triton) or "tpu" (Mosaic), None = the backend's; interpret
+    None = compiled on the variant's hardware, interpreted elsewhere; block_q (queries per
+    block), block_k (sorted keys per lsh tile), block_e (value columns per program), powers of
+    two >= 16, and Triton's num_warps / num_stages are tuning knobs.
     """
-    _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binning)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "indexed"
+        if backend.auto_picks_pallas() and variant in (None, "gpu") and not official_code:
+            order = "+".join(sorted(str(pattern).split("+"), reverse=True))
+            impl = "pallas" if order in flash.SUPPORTED_PATTERNS else "indexed"
+    if impl == "pallas":
+        variant = variant or backend.default_variant()
+        blocks = BlockSizes(block_q, block_k, block_e, num_warps, num_stages)
+        _check_pallas(pattern, official_code, variant, blocks)
+    comps = _validate(q, k, v, pattern, num_keys, hash_proj, key_scores, max_len, binning)
     kwargs = dict(
         pattern=pattern,
         num_keys=num_keys,
@@ -133,6 +209,14 @@ def sparse_attention(
         max_len=max_len,
         binning=binning,
     )
+    if impl == "pallas":
+        kc = component_budget(pattern, num_keys)
+        layout = flash.build_layout(
+            q, k, comps=comps, kc=kc, hash_proj=hash_proj, key_scores=key_scores,
+            binning=binning, blocks=blocks,
+        )  # fmt: skip
+        cfg = (flash.effective_blocks(blocks, v.shape[-1]), variant, interpret)
+        return _sparse_attention_pallas(q, k, v, layout, kc, cfg)
     if official_code:
         return sparse_attention_reference(q, k, v, official_code=True, **kwargs)
     return sparse_attention_indexed(q, k, v, **kwargs)

@@ -1,0 +1,227 @@
+"""The block layout of the Pallas sparse attention (plain JAX, O(l log l), no (l, l) array).
+
+LSH: keys and queries sorted by (bucket, position). Query i's lsh set is the run of sorted-key
+slots [lo_i, hi_i): hi_i counts the keys at or before it in that order (its insertion point),
+lo_i = max(hi_i - kc, first slot of its bucket). Both are nondecreasing along the sorted
+queries, so a block of consecutive sorted queries needs only the few key tiles that
+`tile_schedule` lists (pairs (query block, key tile), block-major, and their transpose).
+
+KS: the top-kc of key_scores[0..i] (ties to the earlier position) lies in the running top-kc of
+the keys before i's block (an associative scan of per-block top-k) plus the block's own keys;
+query i selects a causal candidate iff it is at least as good as its threshold, the worst
+member of its set.
+
+Letters: b batch, l length, L padded length, m merged keys + queries, c query block, r row in a
+block, t key tile, s scheduled pair, j slot of a top-k.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Position of an empty top-k slot: after every query, so never causal.
+EMPTY_POS = 2**30
+
+
+class LshLayout(NamedTuple):
+    """The (bucket, position) order; padding rows l..L-1 map to themselves and select nothing."""
+
+    key_perm: jax.Array  # (b, L) position of the key at each sorted slot
+    key_slot: jax.Array  # (b, L) sorted slot of the key at each position (inverse)
+    query_perm: jax.Array  # (b, L) position of the query at each sorted index
+    query_rank: jax.Array  # (b, L) sorted index of the query at each position (inverse)
+    lo: jax.Array  # (b, L) first slot of each sorted query's lsh set
+    hi: jax.Array  # (b, L) one past its last slot (the insertion point)
+    hi_by_pos: jax.Array  # (b, L) hi of the query at each position
+    bucket_q: jax.Array  # (b, L) query buckets by position (padding -1)
+    bucket_k: jax.Array  # (b, L) key buckets by position (padding -1)
+
+
+class Schedule(NamedTuple):
+    """Scheduled (query block, key tile) pairs; entries past pair_count are padding."""
+
+    block_offset: jax.Array  # (b, nblocks) first pair of each query block (block-major order)
+    block_count: jax.Array  # (b, nblocks)
+    pair_block: jax.Array  # (b, S) query block of each pair, block-major
+    pair_tile: jax.Array  # (b, S) key tile of each pair, block-major
+    tile_offset: jax.Array  # (b, ntiles) first pair of each key tile (tile-major order)
+    tile_count: jax.Array  # (b, ntiles)
+    tile_block: jax.Array  # (b, S) query block of each pair, tile-major
+    pair_count: jax.Array  # (b,)
+
+
+class KsLayout(NamedTuple):
+    """Per query block the running top-kc before it; per query its threshold."""
+
+    scores: jax.Array  # (b, L) fp32 key scores, padding -inf
+    prefix_pos: jax.Array  # (b, nblocks, kc) positions, EMPTY_POS where fewer keys came before
+    prefix_scores: jax.Array  # (b, nblocks, kc) their scores (-inf where empty)
+    threshold_score: jax.Array  # (b, L) worst member's score; +inf for padding queries
+    threshold_pos: jax.Array  # (b, L) worst member's position; -1 for padding queries
+
+
+def _sort_by_bucket(bucket_m, order_m, n_buckets):
+    """Sort (bucket, order) pairs by bucket then order (order < 2^bits distinct). Packed into
+    one int32 key when it fits: a single-array sort is a radix sort on GPU."""
+    bits = max(1, (order_m.shape[-1] - 1).bit_length())
+    if n_buckets << bits <= 2**31:
+        packed = jnp.sort((bucket_m << bits) | order_m)
+        return packed >> bits, packed & ((1 << bits) - 1)
+    return jax.lax.sort((bucket_m, order_m), num_keys=2)
+
+
+def _lsh_order(bucket_q_l, bucket_k_l, kc, length, n_buckets):
+    """LshLayout fields of one batch row (see `lsh_layout`)."""
+    l = bucket_q_l.shape[0]
+    pos_l = jnp.arange(l, dtype=jnp.int32)
+    # Key j sorts just before query j (order 2j vs 2j + 1), as in indexed._lsh_indices.
+    bucket_m, order_m = _sort_by_bucket(
+        jnp.concatenate([bucket_k_l, bucket_q_l]),
+        jnp.concatenate([2 * pos_l, 2 * pos_l + 1]),
+        n_buckets,
+    )
+    is_key_m = order_m % 2 == 0
+    src_m = order_m // 2
+    hi_m = jnp.cumsum(is_key_m, dtype=jnp.int32)  # keys sorted at or before each entry
+    run_start_m = jnp.concatenate([jnp.ones(1, bool), bucket_m[1:] != bucket_m[:-1]])
+    bucket_first_m = jax.lax.cummax(jnp.where(run_start_m, hi_m - is_key_m, 0))
+    lo_m = jnp.maximum(hi_m - kc, bucket_first_m)
+    index_m = jnp.arange(2 * l, dtype=jnp.int32)
+    key_slot_m = jnp.where(is_key_m, hi_m - 1, length)  # out of range: dropped
+    query_index_m = jnp.where(is_key_m, length, index_m - hi_m)
+    identity = jnp.arange(length, dtype=jnp.int32)
+    key_perm = identity.at[key_slot_m].set(src_m, mode="drop")
+    query_perm = identity.at[query_index_m].set(src_m, mode="drop")
+    lo = jnp.full(length, l, jnp.int32).at[query_index_m].set(lo_m, mode="drop")
+    hi = jnp.full(length, l, jnp.int32).at[query_index_m].set(hi_m, mode="drop")
+    key_slot = jnp.zeros(length, jnp.int32).at[key_perm].set(identity)
+    query_rank = jnp.zeros(length, jnp.int32).at[query_perm].set(identity)
+    hi_by_pos = jnp.zeros(length, jnp.int32).at[query_perm].set(hi)
+    return key_perm, key_slot, query_perm, query_rank, lo, hi, hi_by_pos
+
+
+def lsh_layout(bucket_q_bl, bucket_k_bl, kc, length, n_buckets):
+    """The sorted order of keys and queries and each sorted query's lsh slots [lo, hi), padded
+    to `length`; buckets in [0, n_buckets)."""
+    fields = jax.vmap(lambda q, k: _lsh_order(q, k, kc, length, n_buckets))(
+        bucket_q_bl, bucket_k_bl
+    )
+    pad = [(0, 0), (0, length - bucket_q_bl.shape[1])]
+    buckets = [jnp.pad(x, pad, constant_values=-1) for x in (bucket_q_bl, bucket_k_bl)]
+    return LshLayout(*fields, *buckets)
+
+
+def tile_schedule(lo_bL, hi_bL, block_q, block_k, kc):
+    """The key tiles (of block_k sorted slots) that each block of block_q sorted queries needs,
+    given nondecreasing lsh slot ranges [lo, hi) of width <= kc.
+
+    Each query adds the tiles of its range past the last tile of the earlier queries of its
+    block: a tile never repeats within a block and no tile outside the union is listed. A
+    query's range spans at most tmax = (kc - 1) // block_k + 2 tiles and ranges advance
+    monotonically, so there are at most ntiles + nblocks * tmax pairs (the static size S).
+    """
+    b, length = lo_bL.shape
+    nblocks, ntiles = length // block_q, length // block_k
+    tmax = (kc - 1) // block_k + 2
+    size = ntiles + nblocks * tmax
+    nonempty = hi_bL > lo_bL
+    first = lo_bL // block_k
+    last = jnp.where(nonempty, (hi_bL - 1) // block_k, -1)
+    seen_bcr = jax.lax.cummax(last.reshape(b, nblocks, block_q), axis=2)
+    seen_bcr = jnp.pad(seen_bcr[:, :, :-1], [(0, 0), (0, 0), (1, 0)], constant_values=-1)
+    start = jnp.maximum(first, seen_bcr.reshape(b, length) + 1)
+    count = jnp.where(nonempty, jnp.maximum(last - start + 1, 0), 0)
+    offset = jnp.cumsum(count, axis=1) - count
+    step_j = jnp.arange(tmax, dtype=jnp.int32)
+    index_bLj = jnp.where(step_j < count[..., None], offset[..., None] + step_j, size)
+    tile_bLj = start[..., None] + step_j
+    block_bLj = jnp.broadcast_to((jnp.arange(length) // block_q)[:, None], (length, tmax))
+
+    def scatter(index_Lj, value_Lj):
+        """Place the pairs of one batch row (padding -> 0)."""
+        return jnp.zeros(size, jnp.int32).at[index_Lj.ravel()].set(value_Lj.ravel(), mode="drop")
+
+    pair_tile = jax.vmap(scatter)(index_bLj, tile_bLj)
+    pair_block = jax.vmap(scatter, (0, None))(index_bLj, block_bLj.astype(jnp.int32))
+    pair_count = jnp.sum(count, axis=1, dtype=jnp.int32)
+    # The transpose: pairs sorted by (tile, block), padding (tile = ntiles) last.
+    real_bs = jnp.arange(size) < pair_count[:, None]
+    tile_key = jnp.where(real_bs, pair_tile, ntiles)
+    _, tile_block = jax.lax.sort((tile_key, pair_block), dimension=1, num_keys=2)
+    tile_count = jax.vmap(lambda t: jnp.zeros(ntiles + 1, jnp.int32).at[t].add(1))(tile_key)
+    tile_count = tile_count[:, :ntiles]
+    return Schedule(
+        block_offset=offset[:, ::block_q],
+        block_count=count.reshape(b, nblocks, block_q).sum(-1, dtype=jnp.int32),
+        pair_block=pair_block,
+        pair_tile=pair_tile,
+        tile_offset=jnp.cumsum(tile_count, axis=1) - tile_count,
+        tile_count=tile_count,
+        tile_block=tile_block,
+        pair_count=pair_count,
+    )
+
+
+def _top(scores_zw, pos_zw, kc):
+    """The kc best (score, position) of each row, best first; rows must be ordered so that
+    equal scores appear in increasing position (lax.top_k keeps the lower index first)."""
+    top_zj, index_zj = jax.lax.top_k(scores_zw, kc)
+    return top_zj, jnp.take_along_axis(pos_zw, index_zj, axis=-1)
+
+
+def ks_layout(key_scores_bl, kc, block_q, length):
+    """Running top-kc before every query block (parallel prefix over blocks) and each query's
+    threshold (the kc-th best of [0..i], or the worst when fewer keys came before)."""
+    b, l = key_scores_bl.shape
+    nblocks = length // block_q
+    scores_bL = jax.lax.stop_gradient(key_scores_bl.astype(jnp.float32))
+    scores_bL = jnp.pad(scores_bL, [(0, 0), (0, length - l)], constant_values=-jnp.inf)
+    pos_L = jnp.arange(length, dtype=jnp.int32)
+    scores_bcr = scores_bL.reshape(b, nblocks, block_q)
+    pos_bcr = jnp.broadcast_to(pos_L.reshape(nblocks, block_q), (b, nblocks, block_q))
+    width_pad = [(0, 0), (0, 0), (0, max(0, kc - block_q))]
+    own = _top(
+        jnp.pad(scores_bcr, width_pad, constant_values=-jnp.inf),
+        jnp.pad(pos_bcr, width_pad, constant_values=EMPTY_POS),
+        kc,
+    )
+
+    def merge(earlier, later):
+        """Top-kc of two top-kc sets, the earlier positions first (ties to them)."""
+        return _top(*(jnp.concatenate([x, y], -1) for x, y in zip(earlier, later)), kc)
+
+    run_s, run_p = jax.lax.associative_scan(merge, own, axis=1)
+    shift = [(0, 0), (1, 0), (0, 0)]
+    prefix_s = jnp.pad(run_s[:, :-1], shift, constant_values=-jnp.inf)
+    prefix_p = jnp.pad(run_p[:, :-1], shift, constant_values=EMPTY_POS)
+    # Candidates of row r: the prefix (earlier positions) then the block's keys up to r.
+    r_r = jnp.arange(block_q)
+    causal_rr = r_r[None, :] <= r_r[:, None]
+    cand_bcrw = jnp.concatenate(
+        [
+            jnp.broadcast_to(prefix_s[:, :, None, :], (b, nblocks, block_q, kc)),
+            jnp.where(causal_rr, scores_bcr[:, :, None, :], -jnp.inf),
+        ],
+        axis=-1,
+    )
+    top_bcrj, index_bcrj = jax.lax.top_k(cand_bcrw, kc)
+    # The worst member: slot min(kc, #causal candidates) - 1 of the sorted top-kc.
+    start_c = jnp.arange(nblocks, dtype=jnp.int32) * block_q
+    n_causal_cr = jnp.minimum(kc, start_c)[:, None] + r_r[None, :] + 1
+    worst_bcr1 = jnp.broadcast_to(
+        jnp.minimum(kc, n_causal_cr)[..., None] - 1, (b, nblocks, block_q, 1)
+    )
+    threshold_score = jnp.take_along_axis(top_bcrj, worst_bcr1, -1).reshape(b, length)
+    index_bcr = jnp.take_along_axis(index_bcrj, worst_bcr1, -1)[..., 0]
+    from_prefix = jnp.take_along_axis(prefix_p, jnp.minimum(index_bcr, kc - 1), -1)
+    from_block = start_c[:, None] + index_bcr - kc
+    threshold_pos = jnp.where(index_bcr < kc, from_prefix, from_block).reshape(b, length)
+    real = pos_L < l
+    return KsLayout(
+        scores=scores_bL,
+        prefix_pos=prefix_p,
+        prefix_scores=prefix_s,
+        threshold_score=jnp.where(real, threshold_score, jnp.inf),
+        threshold_pos=jnp.where(real, threshold_pos, -1).astype(jnp.int32),
+    )
