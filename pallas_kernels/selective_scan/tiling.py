@@ -32,11 +32,12 @@ class BlockSizes:
 
 
 DEFAULTS = {
-    # Chosen from Triton 3.6 / ptxas sm_90 builds (instructions per state element and step,
-    # registers, <= 16 bytes of spills, no shared-memory layout conversions inside the
-    # loops), not from timings yet: sweep them on the GPU.
+    # Measured on an H100 (bench/selective_scan_kernel.py, BENCHMARKS.md): of five candidates
+    # picked from Triton 3.6 / ptxas sm_90 builds (registers, spills, no shared-memory layout
+    # conversions in the loops), 8-channel programs with 4-step backward chunks were fastest
+    # forward+backward at both issue shapes.
     "gpu": BlockSizes(
-        chunk=16, chunk_bwd=8, block_d=16, block_d_bwd=16, num_warps=1, num_warps_bwd=1
+        chunk=16, chunk_bwd=4, block_d=8, block_d_bwd=8, num_warps=1, num_warps_bwd=1
     ),
     # Mosaic: channels fill the 128 lanes; chunk rows are a multiple of the 8 sublanes.
     "tpu": BlockSizes(
