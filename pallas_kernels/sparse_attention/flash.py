@@ -113,7 +113,9 @@ def _padded_inputs(q, k, v, blocks):
 
 
 def forward(q, k, v, lay, *, kc, cfg):
-    """(o (b, l, e) in v.dtype, lse (b, L, 1) fp32 over the union of the selected keys)."""
+    """(o (b, l, e) fp32, lse (b, L, 1) fp32 over the union of the selected keys). o stays fp32
+    so that the backward's delta = rowsum(dO o) is the fp32 softmax's (a bf16 o would give a
+    query with one selected key a nonzero dq)."""
     l = q.shape[1]
     qp, kp, vp = _padded_inputs(q, k, v, cfg[0])
     init = None
@@ -125,9 +127,9 @@ def forward(q, k, v, lay, *, kc, cfg):
         )
     if lay.ks is not None:
         args = _ks_args(kp, vp, lay, kc)
-        o, lse = kernel.ks_forward(qp, kp, vp, args, init, out_dtype=v.dtype, cfg=cfg)
+        o, lse = kernel.ks_forward(qp, kp, vp, args, init, out_dtype=F32, cfg=cfg)
     else:
-        o, lse = init[0].astype(v.dtype), init[1]
+        o, lse = init
     return o[:, :l, : v.shape[2]], lse
 
 

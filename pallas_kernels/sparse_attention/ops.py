@@ -118,13 +118,13 @@ def _check_pallas(pattern, official_code, variant, blocks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _sparse_attention_pallas(q, k, v, layout, kc, cfg):
     """o by the Pallas kernels; differentiable in q, k, v through the hand-written backward."""
-    return flash.forward(q, k, v, layout, kc=kc, cfg=cfg)[0]
+    return flash.forward(q, k, v, layout, kc=kc, cfg=cfg)[0].astype(v.dtype)
 
 
 def _sparse_attention_pallas_fwd(q, k, v, layout, kc, cfg):
     """Forward, saving the inputs, the selection, o and the log-sum-exp for the backward."""
     o, lse = flash.forward(q, k, v, layout, kc=kc, cfg=cfg)
-    return o, (q, k, v, layout, o, lse)
+    return o.astype(v.dtype), (q, k, v, layout, o, lse)
 
 
 def _sparse_attention_pallas_bwd(kc, cfg, residuals, do):
