@@ -2,7 +2,7 @@
 
 Forward (Dao & Gu, arXiv:2405.21060 §6): with cs the within-chunk cumulative log-decay,
     chunk_state:  S_c = sum_t w_state[t] dt[t] x_t B_t^T                       (p, n) per chunk
-    (JAX scan):   H_in[c+1] = decay_c H_in[c] + S_c                            state passing
+    pass:         H_in[c+1] = decay_c H_in[c] + S_c                            state passing
     chunk_out:    y_s = sum_{t<=s} (C_s.B_t) L[s,t] dt_t x_t + w_out[s] H_in C_s + D x_s
 with L[s,t] = exp(cs_s - cs_t), w_out[s] = exp(cs_s), w_state[t] = exp(cs_K - cs_t) and
 decay_c = exp(cs_K), each zeroed where seq_idx says the positions belong to different
