@@ -32,7 +32,16 @@ from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
 from .kernel_tpu import tpu_backward, tpu_forward
-from .steps import F32, LOG2E, Axes, Step, backward_steps, chunk_dD, forward_steps
+from .steps import (
+    F32,
+    LOG2E,
+    Axes,
+    Step,
+    backward_steps,
+    chunk_dD,
+    forward_steps,
+    split_backward_refs,
+)
 from .tiling import BlockSizes, geometry, pad_to, padded_inputs, resolve_block_sizes
 
 # ---------------------------------------------------------------- gpu (Triton) kernels
@@ -117,18 +126,29 @@ def _gpu_forward_kernel(*refs, chunk, num_chunks, save_every, has_z, has_h0, sav
 
 def _gpu_backward_kernel(*refs, chunk, num_chunks, has_z):
     """One (batch row, channel block): chunks last to first, dh, dA, dD in registers."""
-    refs = list(refs)
-    # inputs: x, dt (l, bd); z (l, bd) if has_z; dout (l, bd); B, C (l, n); A (bd, n); D (bd,);
-    # chunk-start states (>= num_chunks, bd, n); final-state cotangent (bd, n)
-    x_ref, dt_ref = refs.pop(0), refs.pop(0)
-    z_ref = refs.pop(0) if has_z else None
-    dout_ref, b_ref, c_ref, a_ref, d_ref, hs_ref, dfinal_ref = refs[:7]
-    del refs[:7]
-    # outputs: dx, ddt (l, bd); dz (l, bd) if has_z; dB, dC partials (l, n); dA (bd, n);
-    # dD (bd,); d initial state (bd, n)
-    dx_ref, ddt_ref = refs.pop(0), refs.pop(0)
-    dz_ref = refs.pop(0) if has_z else None
-    db_ref, dc_ref, da_ref, dd_ref, dh0_ref = refs
+    # inputs: x, dt (l, bd); z if has_z; dout (l, bd); B, C (l, n); A (bd, n); D (bd,); the
+    # chunk-start states; the final-state cotangent (bd, n). outputs: dx, ddt (l, bd); dz if
+    # has_z; dB, dC partials (l, n); dA (bd, n); dD (bd,); d initial state (bd, n)
+    (
+        x_ref,
+        dt_ref,
+        z_ref,
+        dout_ref,
+        b_ref,
+        c_ref,
+        a_ref,
+        d_ref,
+        hs_ref,
+        dfinal_ref,
+        dx_ref,
+        ddt_ref,
+        dz_ref,
+        db_ref,
+        dc_ref,
+        da_ref,
+        dd_ref,
+        dh0_ref,
+    ) = split_backward_refs(refs, has_z)
 
     A = a_ref[...]
     A2, D = A * LOG2E, d_ref[...]

@@ -17,7 +17,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from .steps import F32, LOG2E, Axes, Step, backward_steps, chunk_dD, forward_steps
+from .steps import (
+    F32,
+    LOG2E,
+    Axes,
+    Step,
+    backward_steps,
+    chunk_dD,
+    forward_steps,
+    split_backward_refs,
+)
 
 TPU_AXES = Axes(channel=1, state=0, keepdims=True)  # state tile (n, block_d): channels on lanes
 
@@ -88,18 +97,30 @@ def _tpu_forward_kernel(*refs, chunk, save_every, has_z, has_h0, save_states):
 def _tpu_backward_kernel(*refs, chunk, has_z):
     """One chunk (last to first) of one (batch row, channel block); dh, dA, dD carried in
     their resident output blocks."""
-    refs = list(refs)
-    # inputs: x, dt (chunk, bd); z (chunk, bd) if has_z; dout (chunk, bd); B, C (chunk, n);
-    # A^T (n, bd); D (1, bd); this chunk's start state (1, n, bd); final-state cotangent (n, bd)
-    x_ref, dt_ref = refs.pop(0), refs.pop(0)
-    z_ref = refs.pop(0) if has_z else None
-    dout_ref, b_ref, c_ref, a_ref, d_ref, hs_ref, dfinal_ref = refs[:7]
-    del refs[:7]
-    # outputs: dx, ddt (chunk, bd); dz (chunk, bd) if has_z; dB, dC partials (n, chunk);
-    # dA (n, bd); dD (1, bd); d initial state (n, bd)
-    dx_ref, ddt_ref = refs.pop(0), refs.pop(0)
-    dz_ref = refs.pop(0) if has_z else None
-    db_ref, dc_ref, da_ref, dd_ref, dh0_ref = refs
+    # inputs: x, dt (chunk, bd); z if has_z; dout (chunk, bd); B, C (chunk, n); A^T (n, bd);
+    # D (1, bd); this chunk's start state (1, n, bd); the final-state cotangent (n, bd).
+    # outputs: dx, ddt (chunk, bd); dz if has_z; dB, dC partials (n, chunk); dA (n, bd);
+    # dD (1, bd); d initial state (n, bd)
+    (
+        x_ref,
+        dt_ref,
+        z_ref,
+        dout_ref,
+        b_ref,
+        c_ref,
+        a_ref,
+        d_ref,
+        hs_ref,
+        dfinal_ref,
+        dx_ref,
+        ddt_ref,
+        dz_ref,
+        db_ref,
+        dc_ref,
+        da_ref,
+        dd_ref,
+        dh0_ref,
+    ) = split_backward_refs(refs, has_z)
 
     @pl.when(pl.program_id(2) == 0)
     def _():

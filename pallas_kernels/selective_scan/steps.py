@@ -133,3 +133,17 @@ def chunk_dD(x, z, dout, keepdims):
 def silu(z):
     """z sigmoid(z)."""
     return z * jax.nn.sigmoid(z)
+
+
+def split_backward_refs(refs, has_z):
+    """The backward kernels' refs by name (both variants take them in this order): x, dt, z,
+    dout, B, C, A, D, chunk-start states, final-state cotangent, then the outputs dx, ddt, dz,
+    dB, dC, dA, dD, d initial state; z and dz are None unless has_z."""
+    refs = list(refs)
+    x_ref, dt_ref = refs.pop(0), refs.pop(0)
+    z_ref = refs.pop(0) if has_z else None
+    inputs = refs[:7]
+    del refs[:7]
+    dx_ref, ddt_ref = refs.pop(0), refs.pop(0)
+    dz_ref = refs.pop(0) if has_z else None
+    return (x_ref, dt_ref, z_ref, *inputs, dx_ref, ddt_ref, dz_ref, *refs)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import largest_array
 
 from pallas_kernels.selective_scan import selective_scan, selective_scan_reference
 
@@ -150,20 +151,6 @@ def test_bf16_inputs_match_fp32_reference():
     assert_close(h, h_ref, TOL[jnp.float32])
 
 
-def _max_intermediate_size(jaxpr):
-    """Largest array (in elements) produced anywhere in a jaxpr, sub-jaxprs included."""
-    biggest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    biggest = max(biggest, _max_intermediate_size(sub))
-    return biggest
-
-
 def test_backward_never_materializes_full_state_sequence():
     """Forward + backward keep at most (b, chunk, d, n) states, never (b, l, d, n)."""
     b, l, d, n = 1, 512, 4, 4
@@ -174,7 +161,7 @@ def test_backward_never_materializes_full_state_sequence():
         y, h = call(inp, chunk_size=16, return_final_state=True)
         return jnp.sum(y) + jnp.sum(h)
 
-    biggest = _max_intermediate_size(jax.make_jaxpr(jax.grad(loss))(inputs).jaxpr)
+    biggest = largest_array(jax.make_jaxpr(jax.grad(loss))(inputs).jaxpr)
     assert biggest < b * l * d * n, biggest
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_checks import COMPILED, assert_close, largest_array
 
 from pallas_kernels.backend import lower_for
 from pallas_kernels.selective_scan import BlockSizes, selective_scan
@@ -65,22 +66,6 @@ def outputs_and_grads(inputs, seed=1, **kwargs):
         return vjp((dy, dh))[0]
 
     return y, h, grads(present)
-
-
-def assert_close(actual, desired, tol, name=""):
-    """assert_allclose on fp32 copies; compiled on a GPU (COMPILED["on"]), the largest error
-    relative to the array's largest magnitude must stay within tol["atol"] instead: the GPU
-    sums in another order than XLA, which moves single cancellation-prone elements past an
-    elementwise 1e-5 (seen: 2e-5 on 1 of 10^6 elements) while the array stays at 1e-6."""
-    actual, desired = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
-    if COMPILED["on"]:
-        err = np.max(np.abs(actual - desired)) / max(np.max(np.abs(desired)), 1e-30)
-        assert err <= tol["atol"], f"{name}: error {err:.2e} of the scale > {tol['atol']}"
-        return
-    np.testing.assert_allclose(actual, desired, err_msg=name, **tol)
-
-
-COMPILED = {"on": False}
 
 
 def check_against_reference(inputs, dtype, **kwargs):
@@ -165,20 +150,6 @@ def test_cross_lowering(platform, variant):
         assert text.count(call) >= kernels, fn.__name__
 
 
-def _largest_array(jaxpr):
-    """Elements of the largest array a jaxpr (or any sub-jaxpr) produces."""
-    biggest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    biggest = max(biggest, _largest_array(sub))
-    return biggest
-
-
 def test_no_state_sequence_is_materialized():
     """Forward + backward never produce a (b, l, d, n) array: the residual is one state per
     chunk_bwd steps."""
@@ -190,7 +161,7 @@ def test_no_state_sequence_is_materialized():
         y, h = run(inputs, impl="pallas", variant="gpu", interpret=True)
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h)
 
-    assert _largest_array(jax.make_jaxpr(jax.grad(loss))(args).jaxpr) < b * l * d * n
+    assert largest_array(jax.make_jaxpr(jax.grad(loss))(args).jaxpr) < b * l * d * n
 
 
 @pytest.mark.parametrize(
