@@ -102,7 +102,8 @@ def _tpu_backward_kernel(*refs, chunk, has_z):
     # outputs: dx, ddt (chunk, bd); dz if has_z; dB, dC partials (n, chunk); dA (n, bd);
     # dD (1, bd); d initial state (n, bd)
     (x_ref, dt_ref, z_ref, dout_ref, b_ref, c_ref, a_ref, d_ref, hs_ref, dfinal_ref, dx_ref,
-     ddt_ref, dz_ref, db_ref, dc_ref, da_ref, dd_ref, dh0_ref) = split_backward_refs(refs, has_z)  # fmt: skip
+     ddt_ref, dz_ref, db_ref, dc_ref, da_ref, dd_ref, dh0_ref) = split_backward_refs(
+        refs, has_z)  # fmt: skip
 
     @pl.when(pl.program_id(2) == 0)
     def _():

@@ -64,7 +64,7 @@ def _positions(start, n, as_row):
 
 class _Head:
     """Head hh of a ref that holds a block of heads on `axis`, indexed like a ref of one head.
-    (Triton lowers one indexer per load or store, so `_Head(ref, hh)[rows]` views cannot be used.)"""
+    (Triton lowers one indexer per load or store: `ref.at[hh][rows]` views cannot be used.)"""
 
     def __init__(self, ref, hh, axis=0):
         self.ref, self.hh, self.axis = ref, hh, axis
@@ -133,8 +133,8 @@ def _chunk_out_kernel(
 
 
 def _grad_source_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref,
-    dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, *, tile, seq_major,
+    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref,
+    wst_ref, dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, *, tile, seq_major,
 ):  # fmt: skip
     """For source tile i (rows t) and a block of heads of one group, summing over targets
     s >= t in [t, s] orientation: per head dx, ddt's intra part sum_s G.L.CB and
@@ -181,8 +181,8 @@ def _grad_source_kernel(
 
 
 def _grad_target_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
-    h_ref, dc_ref, rowsum_ref, u_ref, *, tile, seq_major,
+    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref,
+    wout_ref, h_ref, dc_ref, rowsum_ref, u_ref, *, tile, seq_major,
 ):  # fmt: skip
     """For target tile i (rows s) and a block of heads of one group, summing over sources
     t <= s in [s, t] orientation: per head rowsum_t(G.L.CB.dt) and u_s = dy_s . (H_in C_s);
