@@ -9,7 +9,6 @@ the gpu variant (fast enough for CI shapes) and `pltpu.InterpretParams()` for th
 """
 
 import jax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
@@ -75,5 +74,4 @@ __all__ = [
     "default_variant",
     "interpret_for",
     "lower_for",
-    "pl",
 ]
