@@ -7,7 +7,8 @@ Cases (issue #6): (b8, l2048, d1536, n16) and (b2, l8192, d5120, n16); x, dt, z,
 fp32 (a Mamba-1 layer's scan: D skip and z gate included, dt already positive); forward+backward
 (grads of x, dt, A, B, C, D, z for a random cotangent) and forward alone. The peer is
 `selective_scan_fn` over mamba_ssm's CUDA kernels (bench/mamba_ssm_peer.py) on the same values in
-its (b, d, l) layout. Medians of --reps synchronised runs after two warm-ups.
+its (b, d, l) layout. Medians of --reps synchronised runs after two warm-ups; `pipelined_*`:
+means over --reps back-to-back calls synchronised once (bench/timing.py).
 """
 
 import argparse
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from bench.ssd_kernel import median_ms
+from bench.timing import kernel_times_us, median_ms, parse_config, pipelined_ms
 from pallas_kernels.selective_scan import BlockSizes, selective_scan
 
 SHAPES = [(8, 2048, 1536, 16), (2, 8192, 5120, 16)]
@@ -50,7 +51,15 @@ def jax_case(inp, backward, impl, **kw):
     def forward(x, dt, A, B, C, D, z):
         return selective_scan(x, dt, A, B, C, D=D, z=z, impl=impl, **kw)
 
-    fn = jax.jit(lambda *a: jax.vjp(forward, *a)[1](dy)) if backward else jax.jit(forward)
+    if backward:  # dy an argument: a closed-over constant would be folded into the program
+
+        def fwd_bwd(dy, *a):  # y is returned: unused, XLA would drop the kernel making it
+            y, vjp = jax.vjp(forward, *a)
+            return y, vjp(dy)
+
+        fn = jax.jit(fwd_bwd)
+        return lambda: fn(dy, *args)
+    fn = jax.jit(forward)
     return lambda: fn(*args)
 
 
@@ -76,16 +85,6 @@ def torch_case(inp, backward, peer_fn):
     return run
 
 
-def parse_config(text):
-    """'name:key=value,key=value' -> (name, {key: int value})."""
-    name, _, rest = text.partition(":")
-    kw = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        kw[key] = int(value)
-    return name, kw
-
-
 def main():
     """Runs every case, prints one JSON line per case, optionally writes all to --json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,6 +95,8 @@ def main():
         "--config", nargs="+", default=["default:"], help="name:BlockSizes fields, e.g. a:chunk=8"
     )
     parser.add_argument("--no-associative", action="store_true")
+    parser.add_argument("--modes", nargs="+", default=["fwd_bwd", "fwd"])
+    parser.add_argument("--profile", action="store_true", help="per-kernel GPU times too")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     jax_sync = jax.block_until_ready
@@ -108,7 +109,7 @@ def main():
         peer_fn = cuda_selective_scan(args.peer, args.build_dir)
         torch_sync = lambda out: torch.cuda.synchronize()  # noqa: E731
     rows = []
-    for backward in (True, False):
+    for backward in [mode == "fwd_bwd" for mode in args.modes]:
         for shape in SHAPES:
             inp = make_inputs(*shape)
             row = dict(shape=shape, backward=backward)
@@ -117,15 +118,27 @@ def main():
                 blocks = BlockSizes(**kw) if kw else None
                 fn = jax_case(inp, backward, "pallas", block_sizes=blocks)
                 row[f"pallas_{name}_ms"] = median_ms(fn, args.reps, jax_sync)
+                row[f"pipelined_{name}_ms"] = pipelined_ms(fn, args.reps, jax_sync)
+                if args.profile:
+                    row[f"kernels_{name}_us"] = {
+                        k: round(v, 1) for k, v in kernel_times_us(fn).items() if v >= 1.0
+                    }
             if not args.no_associative:
                 fn = jax_case(inp, backward, "associative")
                 row["associative_ms"] = median_ms(fn, args.reps, jax_sync)
             if peer_fn is not None:
                 fn = torch_case(inp, backward, peer_fn)
                 row["mamba_ssm_cuda_ms"] = median_ms(fn, args.reps, torch_sync)
+                row["pipelined_mamba_ssm_cuda_ms"] = pipelined_ms(fn, args.reps, torch_sync)
             row["pallas_best_ms"] = min(v for k, v in row.items() if k.startswith("pallas_"))
             if "mamba_ssm_cuda_ms" in row:
                 row["ratio_vs_mamba_ssm"] = row["pallas_best_ms"] / row["mamba_ssm_cuda_ms"]
+                best_pipelined = min(
+                    v for k, v in row.items() if k.startswith("pipelined_") and "mamba" not in k
+                )
+                row["pipelined_ratio_vs_mamba_ssm"] = (
+                    best_pipelined / row["pipelined_mamba_ssm_cuda_ms"]
+                )
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

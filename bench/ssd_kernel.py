@@ -1,24 +1,27 @@
 """SSD forward+backward: our Pallas kernels vs the pure-JAX chunked path vs mamba_ssm's Triton.
 
-    python bench/ssd_kernel.py [--peer .peer] [--json out.json] [--tiles 64] [--warps 4]
+    python bench/ssd_kernel.py [--peer .peer] [--json out.json] [--profile]
+        [--config name:key=value,key=value ...] [--cases fwd_bwd fwd fwd_fp32]
 
 Cases (issue #6): forward+backward (grads of x, dt, A, B, C, D for a random cotangent) at
 (b8, l2048, h24, p64, n128) and (b2, l8192, h80, p64, n128), chunk 256, bf16 x/B/C, fp32 dt/A/D,
 one group; forward alone at the same shapes and at (b1, l2048, h24, p64, n128) fp32. The peer is
 `mamba_chunk_scan_combined` on the same values (torch tensors); times are medians of --reps
-runs after warm-up, each synchronised (block_until_ready / torch.cuda.synchronize).
+runs after warm-up, each synchronised (block_until_ready / torch.cuda.synchronize). --config
+names `BlockSizes` fields (e.g. `w8:num_warps_bwd=8,heads_per_block=4`); --profile adds each
+config's per-kernel GPU times (profiler trace) to its row. `pipelined_*` times are means over
+back-to-back calls synchronised once (bench/timing.py): dispatch overlaps the GPU's work.
 """
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ssd import ssd
+from bench.timing import kernel_times_us, median_ms, parse_config, pipelined_ms
+from pallas_kernels.ssd import BlockSizes, ssd
 
 FWD_BWD = [(8, 2048, 24, 64, 128), (2, 8192, 80, 64, 128)]
 FWD_FP32 = [(1, 2048, 24, 64, 128)]
@@ -40,18 +43,6 @@ def make_inputs(b, l, h, p, n, dtype, seed=0):
     )
 
 
-def median_ms(fn, reps, sync):
-    """Median wall time of fn() in ms after two warm-up calls."""
-    for _ in range(2):
-        sync(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        sync(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def jax_case(inp, impl, backward, **kw):
     """A jitted callable: forward, or forward+backward (vjp with dy), of ssd with `impl`."""
     args = [jnp.asarray(inp[k]) for k in ("x", "dt", "A", "B", "C", "D")]
@@ -60,10 +51,15 @@ def jax_case(inp, impl, backward, **kw):
     def forward(x, dt, A, B, C, D):
         return ssd(x, dt, A, B, C, D=D, chunk_size=CHUNK, impl=impl, **kw)
 
-    if backward:
-        fn = jax.jit(lambda *a: jax.vjp(forward, *a)[1](dy))
-    else:
-        fn = jax.jit(forward)
+    if backward:  # dy an argument: a closed-over constant would be folded into the program
+
+        def fwd_bwd(dy, *a):  # y is returned: unused, XLA would drop the kernel making it
+            y, vjp = jax.vjp(forward, *a)
+            return y, vjp(dy)
+
+        fn = jax.jit(fwd_bwd)
+        return lambda: fn(dy, *args)
+    fn = jax.jit(forward)
     return lambda: fn(*args)
 
 
@@ -96,8 +92,11 @@ def main():
         "--peer", default=None, help="mamba_ssm checkout (see bench/mamba_ssm_peer.py)"
     )
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--tiles", type=int, nargs="+", default=[64])
-    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument(
+        "--config", nargs="+", default=["default:"], help="name:BlockSizes fields, e.g. a:tile=32"
+    )
+    parser.add_argument("--cases", nargs="+", default=["fwd_bwd", "fwd", "fwd_fp32"])
+    parser.add_argument("--profile", action="store_true", help="per-kernel GPU times too")
     parser.add_argument("--no-chunked", action="store_true", help="skip the pure-JAX path")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -113,27 +112,43 @@ def main():
 
     import ml_dtypes
 
+    bf16 = ml_dtypes.bfloat16
+    cases = {
+        "fwd_bwd": [(s, True, bf16) for s in FWD_BWD],
+        "fwd": [(s, False, bf16) for s in FWD_BWD],
+        "fwd_fp32": [(s, False, np.float32) for s in FWD_FP32],
+    }
     rows = []
-    cases = [(s, True, ml_dtypes.bfloat16) for s in FWD_BWD]
-    cases += [(s, False, ml_dtypes.bfloat16) for s in FWD_BWD]
-    cases += [(s, False, np.float32) for s in FWD_FP32]
-    for shape, backward, dtype in cases:
+    for shape, backward, dtype in [case for name in args.cases for case in cases[name]]:
         inp = make_inputs(*shape, dtype)
         row = dict(shape=shape, backward=backward, dtype=np.dtype(dtype).name)
-        for tile in args.tiles:
-            for warps in args.warps:
-                fn = jax_case(inp, "pallas", backward, tile=tile, num_warps=warps)
-                row[f"pallas_t{tile}_w{warps}_ms"] = median_ms(fn, args.reps, jax_sync)
+        for config in args.config:
+            name, kw = parse_config(config)
+            fn = jax_case(inp, "pallas", backward, block_sizes=BlockSizes(**kw))
+            try:
+                row[f"pallas_{name}_ms"] = median_ms(fn, args.reps, jax_sync)
+                row[f"pipelined_{name}_ms"] = pipelined_ms(fn, args.reps, jax_sync)
+            except jax.errors.JaxRuntimeError as err:  # e.g. tiles over the shared memory
+                row[f"error_{name}"] = str(err).splitlines()[0]
+                continue
+            if args.profile:
+                row[f"kernels_{name}_us"] = {
+                    k: round(v, 1) for k, v in kernel_times_us(fn).items() if v >= 1.0
+                }
         if not args.no_chunked:
             row["chunked_ms"] = median_ms(jax_case(inp, "chunked", backward), args.reps, jax_sync)
         if peer_fn is not None:
-            row["mamba_ssm_ms"] = median_ms(
-                torch_case(inp, backward, peer_fn), args.reps, torch_sync
-            )
+            fn = torch_case(inp, backward, peer_fn)
+            row["mamba_ssm_ms"] = median_ms(fn, args.reps, torch_sync)
+            row["pipelined_mamba_ssm_ms"] = pipelined_ms(fn, args.reps, torch_sync)
         best = min(v for k, v in row.items() if k.startswith("pallas_"))
         row["pallas_best_ms"] = best
         if "mamba_ssm_ms" in row:
             row["ratio_vs_mamba_ssm"] = best / row["mamba_ssm_ms"]
+            best_pipelined = min(
+                v for k, v in row.items() if k.startswith("pipelined_") and "mamba" not in k
+            )
+            row["pipelined_ratio_vs_mamba_ssm"] = best_pipelined / row["pipelined_mamba_ssm_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

@@ -1,7 +1,9 @@
-"""Mamba-2 SSD: quadratic and sequential references and the chunked algorithm."""
+"""Mamba-2 SSD: quadratic and sequential references, the chunked algorithm and Pallas kernels
+(impl="pallas", tuned by BlockSizes)."""
 
 from .chunked import ssd_chunked
 from .ops import ssd
 from .reference import segsum, ssd_reference, ssd_sequential
+from .tiling import BlockSizes
 
-__all__ = ["segsum", "ssd", "ssd_chunked", "ssd_reference", "ssd_sequential"]
+__all__ = ["BlockSizes", "segsum", "ssd", "ssd_chunked", "ssd_reference", "ssd_sequential"]

@@ -107,38 +107,45 @@ def _chunk_out_kernel(
     x_ref, cb_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
     h_ref, d_ref, y_ref, *, tile, seq_major,
 ):  # fmt: skip
-    """y for target tile i of one head: the causal intra-chunk sum, the incoming state, D x."""
+    """y for one chunk of one head, tile by tile: the causal intra-chunk sum, the incoming
+    state (read once per chunk, not once per tile: it is as large as x's chunk), D x."""
     x_ref, y_ref = _head(x_ref, 0, seq_major), _head(y_ref, 0, seq_major)
     cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref = (
         _Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref)
     )
-    i = pl.program_id(3)
-    rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
-    c_s = c_ref[rows_s, :]
-    cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
-    pos_s = _positions(i * tile, tile, as_row=False)
+    k, p = x_ref.shape
+    h_pn = h_ref[...].astype(c_ref.dtype)
 
-    def body(j, acc_sp):
-        start = pl.multiple_of(j * tile, tile)
-        cols = pl.ds(start, tile)
-        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
-        decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
-        scores_st = cb_ref[rows_s, cols] * decay_st * dt_r_ref[:, cols]
-        return acc_sp + _dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
+    def one_tile(i, _):
+        rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
+        c_s = c_ref[rows_s, :]
+        cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
+        pos_s = _positions(i * tile, tile, as_row=False)
 
-    acc_sp = jax.lax.fori_loop(0, i + 1, body, jnp.zeros((tile, x_ref.shape[1]), F32))
-    state_sp = _dot(c_s, h_ref[...].astype(c_s.dtype), trans_b=True)
-    acc_sp += wout_ref[rows_s, :] * state_sp + d_ref[0, 0] * x_ref[rows_s, :].astype(F32)
-    y_ref[...] = acc_sp.astype(y_ref.dtype)
+        def body(j, acc_sp):
+            start = pl.multiple_of(j * tile, tile)
+            cols = pl.ds(start, tile)
+            keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
+            decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
+            scores_st = cb_ref[rows_s, cols] * decay_st * dt_r_ref[:, cols]
+            return acc_sp + _dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
+
+        acc_sp = jax.lax.fori_loop(0, i + 1, body, jnp.zeros((tile, p), F32))
+        state_sp = _dot(c_s, h_pn, trans_b=True)
+        acc_sp += wout_ref[rows_s, :] * state_sp + d_ref[0, 0] * x_ref[rows_s, :].astype(F32)
+        y_ref[rows_s, :] = acc_sp.astype(y_ref.dtype)
+        return 0
+
+    jax.lax.fori_loop(0, k // tile, one_tile, 0)
 
 
 def _grad_source_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref,
-    wst_ref, dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, *, tile, seq_major,
+    x_ref, dy_ref, b_ref, c_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref,
+    wst_ref, dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, xdy_ref, *, tile, seq_major,
 ):  # fmt: skip
     """For source tile i (rows t) and a block of heads of one group, summing over targets
-    s >= t in [t, s] orientation: per head dx, ddt's intra part sum_s G.L.CB and
-    v_t = x_t . (dH_out B_t); dB summed over the block's heads."""
+    s >= t in [t, s] orientation: per head dx, ddt's intra part sum_s G.L.CB,
+    v_t = x_t . (dH_out B_t) and x_t . dy_t (for dD); dB summed over the block's heads."""
     i = pl.program_id(3)
     k = b_ref.shape[0]
     rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
@@ -148,33 +155,33 @@ def _grad_source_kernel(
     def one_head(hh, db_tn):
         x_h, dy_h = _head(x_ref, hh, seq_major), _head(dy_ref, hh, seq_major)
         x_t, dy_t = x_h[rows_t, :], dy_h[rows_t, :]
-        cs_t = _Head(cs_c_ref, hh)[rows_t, :]
+        cs_t, dt_t = _Head(cs_c_ref, hh)[rows_t, :], _Head(dt_c_ref, hh)[rows_t, :]
 
-        def body(j, carry):
-            dx_tp, db_head_tn, ddt_t1 = carry
+        def body(j, carry):  # one accumulator for dB over heads and tiles: fewer registers
+            dx_tp, db_tn, ddt_t1 = carry
             start = pl.multiple_of(j * tile, tile)
             cols = pl.ds(start, tile)
             keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
             decay_ts = _masked_exp(keep, _Head(cs_r_ref, hh)[:, cols] - cs_t)
-            cb_ts = cb_ref[cols, rows_t].T
+            cb_ts = cbt_ref[rows_t, cols]
             gl_ts = _dot(x_t, dy_h[cols, :], trans_b=True) * decay_ts
             dx_tp += _dot((cb_ts * decay_ts).astype(dy_t.dtype), dy_h[cols, :])
-            db_head_tn += _dot(gl_ts.astype(c_ref.dtype), c_ref[cols, :])
+            db_tn += _dot((gl_ts * dt_t).astype(c_ref.dtype), c_ref[cols, :])
             ddt_t1 += jnp.sum(gl_ts * cb_ts, axis=1, keepdims=True)
-            return dx_tp, db_head_tn, ddt_t1
+            return dx_tp, db_tn, ddt_t1
 
-        p, n = x_t.shape[1], b_t.shape[1]
-        init = (jnp.zeros((tile, p), F32), jnp.zeros((tile, n), F32), jnp.zeros((tile, 1), F32))
-        dx_tp, db_head_tn, ddt_t1 = jax.lax.fori_loop(i, k // tile, body, init)
+        init = (jnp.zeros((tile, x_t.shape[1]), F32), db_tn, jnp.zeros((tile, 1), F32))
+        dx_tp, db_tn, ddt_t1 = jax.lax.fori_loop(i, k // tile, body, init)
         dh_pn = _Head(dh_ref, hh)[...]
-        wst_t, dt_t = _Head(wst_ref, hh)[rows_t, :], _Head(dt_c_ref, hh)[rows_t, :]
+        wst_t = _Head(wst_ref, hh)[rows_t, :]
         b_dh_tp = _dot(b_t, dh_pn.astype(b_t.dtype), trans_b=True)
         x_dh_tn = _dot(x_t, dh_pn.astype(x_t.dtype))
         dx_tp = dt_t * (dx_tp + wst_t * b_dh_tp) + _Head(d_ref, hh)[0, 0] * dy_t.astype(F32)
         _head(dx_ref, hh, seq_major)[...] = dx_tp.astype(dx_ref.dtype)
         _Head(ddt_ref, hh)[...] = ddt_t1
         _Head(v_ref, hh)[...] = jnp.sum(x_dh_tn * b_t.astype(F32), axis=1, keepdims=True)
-        return db_tn + dt_t * (db_head_tn + wst_t * x_dh_tn)
+        _Head(xdy_ref, hh)[...] = jnp.sum(x_t.astype(F32) * dy_t.astype(F32), axis=1, keepdims=True)
+        return db_tn + (dt_t * wst_t) * x_dh_tn
 
     heads = cs_c_ref.shape[0]
     db_ref[...] = jax.lax.fori_loop(0, heads, one_head, jnp.zeros(db_ref.shape, F32))
@@ -196,25 +203,24 @@ def _grad_target_kernel(
         x_h, dy_h = _head(x_ref, hh, seq_major), _head(dy_ref, hh, seq_major)
         dy_s, cs_s = dy_h[rows_s, :], _Head(cs_c_ref, hh)[rows_s, :]
 
-        def body(j, carry):
-            dc_head_sn, rowsum_s1 = carry
+        def body(j, carry):  # one accumulator for dC over heads and tiles: fewer registers
+            dc_sn, rowsum_s1 = carry
             start = pl.multiple_of(j * tile, tile)
             cols = pl.ds(start, tile)
             keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
             decay_st = _masked_exp(keep, cs_s - _Head(cs_r_ref, hh)[:, cols])
             q_st = _dot(dy_s, x_h[cols, :], trans_b=True) * decay_st
             q_st *= _Head(dt_r_ref, hh)[:, cols]
-            dc_head_sn += _dot(q_st.astype(b_ref.dtype), b_ref[cols, :])
+            dc_sn += _dot(q_st.astype(b_ref.dtype), b_ref[cols, :])
             cb_st = cb_ref[rows_s, cols]
             rowsum_s1 += jnp.sum(q_st * cb_st, axis=1, keepdims=True)
-            return dc_head_sn, rowsum_s1
+            return dc_sn, rowsum_s1
 
-        init = (jnp.zeros(dc_sn.shape, F32), jnp.zeros((tile, 1), F32))
-        dc_head_sn, rowsum_s1 = jax.lax.fori_loop(0, i + 1, body, init)
+        dc_sn, rowsum_s1 = jax.lax.fori_loop(0, i + 1, body, (dc_sn, jnp.zeros((tile, 1), F32)))
         dy_h_sn = _dot(dy_s, _Head(h_ref, hh)[...].astype(dy_s.dtype))
         _Head(rowsum_ref, hh)[...] = rowsum_s1
         _Head(u_ref, hh)[...] = jnp.sum(dy_h_sn * c_s.astype(F32), axis=1, keepdims=True)
-        return dc_sn + dc_head_sn + _Head(wout_ref, hh)[rows_s, :] * dy_h_sn
+        return dc_sn + _Head(wout_ref, hh)[rows_s, :] * dy_h_sn
 
     heads = cs_c_ref.shape[0]
     dc_ref[...] = jax.lax.fori_loop(0, heads, one_head, jnp.zeros(dc_ref.shape, F32))
@@ -311,7 +317,7 @@ class _Layout:
         return pl.BlockSpec((self.hb, 1, 1), lambda b, hb, c, *i: (hb, 0, 0))
 
 
-def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps=4):
+def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps):
     """pallas_call with this variant's compiler parameters."""
     variant = layout.variant
     return pl.pallas_call(
@@ -330,25 +336,10 @@ def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, nu
     )
 
 
-def heads_per_block(r):
-    """Heads of one group per backward program: the largest power of two <= 8 dividing r, so
-    the per-block dB / dC sums are 8x smaller than per-head ones."""
-    hb = 1
-    while hb < 8 and r % (2 * hb) == 0:
-        hb *= 2
-    return hb
-
-
-def default_tile(variant, k):
-    """Rows per tile: 64 on gpu (a (64, 64) fp32 score tile per program), 128 on tpu (lane
-    width); the whole chunk when it is shorter."""
-    return min(k, 64 if variant == "gpu" else 128)
-
-
 class Prepared:
     """The padded, laid-out inputs and the decay vectors shared by forward and backward."""
 
-    def __init__(self, x, dt, A, B, C, D, seq_idx, chunk_size, variant, tile):
+    def __init__(self, x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes):
         b, l, h, p = x.shape
         g, n = B.shape[2:]
         self.shape = (b, l, h, p, g, n)
@@ -363,9 +354,9 @@ class Prepared:
             self.p_pad, self.n_pad = _round_up_pow2(p, 16), _round_up_pow2(n, 16)
         else:
             self.p_pad, self.n_pad = p, n
-        tile = tile or default_tile(variant, k)
-        self.layout = _Layout(variant, k, tile, h // g)
-        self.grad_layout = _Layout(variant, k, tile, h // g, heads_per_block(h // g))
+        self.sizes = sizes  # resolved BlockSizes
+        self.layout = _Layout(variant, k, sizes.tile, h // g)
+        self.grad_layout = _Layout(variant, k, sizes.tile_bwd, h // g, sizes.heads_per_block)
 
         def pad(arr, f_pad):
             """Zero-pad the length to c * k and the feature dim to f_pad, in the mm dtype."""
@@ -394,16 +385,18 @@ class Prepared:
         keep_bhc = (self.seq[:, :, -1] == doc_in_bc)[:, None]
         self.decay = jnp.where(keep_bhc, jnp.exp(cs_end[..., 0]), 0.0)
 
-    def scores(self):
-        """C_s . B_t for every pair of positions of each chunk: (b, c, g, k, k) fp32, one
-        batched matmul shared by all heads of a group (the kernels never recompute it)."""
+    def scores(self, transposed=False):
+        """C_s . B_t for every pair of positions of each chunk: (b, c, g, k, k) fp32 indexed
+        [s, t] (or [t, s] if transposed, for the source-tile kernel: a transposed fp32 load
+        would go through shared memory), one batched matmul shared by all heads of a group."""
         b, _, _, _, g, _ = self.shape
         c, k = self.c, self.k
+        out = "bcgts" if transposed else "bcgst"
         if self.layout.gpu:
             B, C = (v.reshape(b, c, k, g, self.n_pad) for v in (self.B, self.C))
-            return jnp.einsum("bcsgn,bctgn->bcgst", C, B, preferred_element_type=F32)
+            return jnp.einsum(f"bcsgn,bctgn->{out}", C, B, preferred_element_type=F32)
         B, C = (v.reshape(b, g, c, k, self.n_pad) for v in (self.B, self.C))
-        return jnp.einsum("bgcsn,bgctn->bcgst", C, B, preferred_element_type=F32)
+        return jnp.einsum(f"bgcsn,bgctn->{out}", C, B, preferred_element_type=F32)
 
     def vectors(self, *arrays):
         """(b, h, c, k) fp32 arrays as (b, h, c, k, 1) columns / (b, h, c, 1, k) rows."""
@@ -415,7 +408,7 @@ class Prepared:
         return arr_blhf[:, :l, :, :f]
 
 
-def chunk_states(prep, x, w_bhck, B, *, interpret=None, num_warps=4):
+def chunk_states(prep, x, w_bhck, B, *, interpret=None):
     """S (b, c, h, p', n') fp32: per chunk sum_t w[t] x[t]^T B[t] (x-like, B-like inputs)."""
     lay = prep.layout
     b, _, h, *_ = prep.shape
@@ -428,26 +421,31 @@ def chunk_states(prep, x, w_bhck, B, *, interpret=None, num_warps=4):
         lay.state(p, n),
         jax.ShapeDtypeStruct((b, prep.c, h, p, n), F32),
         interpret=interpret,
-        num_warps=num_warps,
+        num_warps=prep.sizes.num_warps,
     )(x, w_bhck[..., None], B)
 
 
-def _pass_kernel(s_ref, decay_ref, h0_ref, out_ref, last_ref, *, reverse):
+def _pass_kernel(s_ref, decay_ref, h0_ref, *refs, reverse):
     """One (b, h): out[c] = the carry entering chunk c, carry = decay[c] * carry + s[c], over
-    the chunks in order (or in reverse); last = the carry after all of them."""
+    the chunks in order (or in reverse); last = the carry after all of them. Given `other`
+    (c, p, n) also dots[c] = <out[c], other[c]>, while out[c] is still in registers."""
+    other_ref, out_ref, last_ref, dots_ref = refs if len(refs) == 4 else (None, *refs, None)
     num = s_ref.shape[0]
 
     def body(j, carry_pn):
         ci = num - 1 - j if reverse else j
         out_ref[ci] = carry_pn
+        if other_ref is not None:
+            dots_ref[ci] = jnp.sum(carry_pn * other_ref[ci])
         return decay_ref[ci] * carry_pn + s_ref[ci]
 
     last_ref[...] = jax.lax.fori_loop(0, num, body, h0_ref[...])
 
 
-def _pass(prep, s_bchpn, h0_bhpn, *, reverse, interpret=None):
-    """(carries (b, c, h, p', n'), last carry) of the linear recurrence over chunks: a Pallas
-    kernel on gpu (one program per (b, h), the carry in registers), a lax.scan on tpu."""
+def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
+    """(carries (b, c, h, p', n'), last carry) of the linear recurrence over chunks, plus the
+    dots (b, h, c) of the carries with `other` if given: a Pallas kernel on gpu (one program
+    per (b, h), the carry in registers), a lax.scan on tpu."""
     if not prep.layout.gpu:
 
         def step(carry_bhpn, inputs):
@@ -456,22 +454,31 @@ def _pass(prep, s_bchpn, h0_bhpn, *, reverse, interpret=None):
 
         xs = (jnp.moveaxis(prep.decay, 2, 0), jnp.moveaxis(s_bchpn, 1, 0))
         last, out_cbhpn = jax.lax.scan(step, h0_bhpn, xs, reverse=reverse)
-        return jnp.moveaxis(out_cbhpn, 0, 1), last
+        out = jnp.moveaxis(out_cbhpn, 0, 1)
+        if other is None:
+            return out, last
+        return out, last, jnp.einsum("bchpn,bchpn->bhc", out, other)
     b, c, h, p, n = s_bchpn.shape
     state = pl.BlockSpec((None, None, p, n), lambda bi, hi: (bi, hi, 0, 0))
     chunks = pl.BlockSpec((None, c, None, p, n), lambda bi, hi: (bi, 0, hi, 0, 0))
+    per_chunk = pl.BlockSpec((None, None, c), lambda bi, hi: (bi, hi, 0))
+    in_specs, out_specs = [chunks, per_chunk, state], [chunks, state]
+    out_shape = [jax.ShapeDtypeStruct(s_bchpn.shape, F32), jax.ShapeDtypeStruct(h0_bhpn.shape, F32)]
+    args = [s_bchpn, prep.decay, h0_bhpn]
+    if other is not None:
+        in_specs.append(chunks)
+        out_specs.append(per_chunk)
+        out_shape.append(jax.ShapeDtypeStruct((b, h, c), F32))
+        args.append(other)
     return pl.pallas_call(
         functools.partial(_pass_kernel, reverse=reverse),
         grid=(b, h),
-        in_specs=[chunks, pl.BlockSpec((None, None, c), lambda bi, hi: (bi, hi, 0)), state],
-        out_specs=[chunks, state],
-        out_shape=[
-            jax.ShapeDtypeStruct(s_bchpn.shape, F32),
-            jax.ShapeDtypeStruct(h0_bhpn.shape, F32),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
         interpret=interpret_for("gpu", interpret),
-    )(s_bchpn, prep.decay, h0_bhpn)
+    )(*args)
 
 
 def pass_states(prep, S_bchpn, h0_bhpn, interpret=None):
@@ -479,9 +486,10 @@ def pass_states(prep, S_bchpn, h0_bhpn, interpret=None):
     return _pass(prep, S_bchpn, h0_bhpn, reverse=False, interpret=interpret)
 
 
-def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, interpret=None):
-    """Reverse: (dH_out (b, c, h, p', n') leaving each chunk, d initial state)."""
-    return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, interpret=interpret)
+def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, h_in, interpret=None):
+    """Reverse: (dH_out (b, c, h, p', n') leaving each chunk, d initial state,
+    <dH_out[c], H_in[c]> (b, h, c) for the decay gradient)."""
+    return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, other=h_in, interpret=interpret)
 
 
 def pad_state(prep, state_bhpn):
@@ -494,13 +502,13 @@ def pad_state(prep, state_bhpn):
     return jnp.pad(state_bhpn.astype(F32), widths)
 
 
-def chunk_outputs(prep, h_in, *, interpret=None, num_warps=4):
+def chunk_outputs(prep, h_in, *, interpret=None):
     """y (b, l', h, p') in the variant's layout from the incoming states."""
     lay = prep.layout
     b, _, h, *_ = prep.shape
     p, n = prep.p_pad, prep.n_pad
     cs_c, dt_c, wout_c, cs_r, dt_r, _ = prep.vectors(prep.cs, prep.dt, prep.w_out)
-    grid = (b, h, prep.c, prep.k // lay.tile)
+    grid = (b, h, prep.c)
     in_specs = [
         lay.chunk(p), lay.scores(), lay.group_chunk(n), lay.column(), lay.row(),
         lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(p, n), lay.scalar(),
@@ -510,33 +518,33 @@ def chunk_outputs(prep, h_in, *, interpret=None, num_warps=4):
         lay,
         grid,
         in_specs,
-        lay.tile_of(p),
+        lay.chunk(p),
         jax.ShapeDtypeStruct(prep.x.shape, prep.out_dtype),
         interpret=interpret,
-        num_warps=num_warps,
+        num_warps=prep.sizes.num_warps,
     )(
         prep.x, prep.scores(), prep.C, cs_c, cs_r, dt_r, prep.seq[..., None], prep.seq[:, :, None],
         wout_c, h_in, prep.D[:, None, None],
     )  # fmt: skip
 
 
-def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, interpret=None,
-            tile=None, num_warps=4):  # fmt: skip
-    """(y (b, l, h, p) in x.dtype, final state (b, h, p, n) fp32, residuals for backward)."""
-    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, tile)
-    S = chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret,
-                     num_warps=num_warps)  # fmt: skip
+def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, sizes,
+            interpret=None):  # fmt: skip
+    """(y (b, l, h, p) in x.dtype, final state (b, h, p, n) fp32, residuals for backward);
+    `sizes` are resolved BlockSizes."""
+    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
+    S = chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret)
     h_in, final = pass_states(prep, S, pad_state(prep, initial_state), interpret)
-    y = chunk_outputs(prep, h_in, interpret=interpret, num_warps=num_warps)
+    y = chunk_outputs(prep, h_in, interpret=interpret)
     _, _, _, p, _, n = prep.shape
     y = prep.crop(prep.layout.from_seq_major(y), p)
     return y, final[:, :, :p, :n], h_in
 
 
 def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chunk_size,
-             variant, interpret=None, tile=None, num_warps=4):  # fmt: skip
+             variant, sizes, interpret=None):  # fmt: skip
     """Gradients (dx, ddt, dA, dB, dC, dD, d initial_state) of forward's (y, final state)."""
-    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, tile)
+    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
     lay = prep.layout
     b, l, h, p, g, n = prep.shape
     pp, nn, c, k = prep.p_pad, prep.n_pad, prep.c, prep.k
@@ -544,14 +552,13 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     dy_l = lay.seq_major(dy_pad)
 
     # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
-    dS = chunk_states(prep, dy_l, prep.w_out, prep.C, interpret=interpret, num_warps=num_warps)
-    dh_out, dh0 = pass_state_grads(prep, dS, pad_state(prep, dfinal), interpret)
+    dS = chunk_states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
+    dh_out, dh0, carry_dots = pass_state_grads(prep, dS, pad_state(prep, dfinal), h_in, interpret)
 
     cs_c, dt_c, wout_c, wst_c, cs_r, dt_r, _, _ = prep.vectors(
         prep.cs, prep.dt, prep.w_out, prep.w_state
     )
     seq_c, seq_r = prep.seq[..., None], prep.seq[:, :, None]
-    cb = prep.scores()
     lay = prep.grad_layout
     blocks = h // lay.hb
     grid = (b, blocks, c, k // lay.tile)
@@ -560,18 +567,18 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     col_out = jax.ShapeDtypeStruct((b, h, c, k, 1), F32)
     sum_shape = (b, c * k, blocks, nn) if lay.gpu else (b, blocks, c * k, nn)
     sum_out = jax.ShapeDtypeStruct(sum_shape, F32)
-    dx, db_blocks, ddt_intra, v = _call(
+    dx, db_blocks, ddt_intra, v, xdy = _call(
         _grad_source_kernel,
         lay,
         grid,
         common + [lay.column(), lay.seq_column(), lay.seq_row(), lay.column(),
                   lay.state(pp, nn), lay.scalar()],
-        [lay.tile_of(pp), lay.tile_of(nn, heads=False), lay.column_tile(), lay.column_tile()],
-        [jax.ShapeDtypeStruct(prep.x.shape, x.dtype), sum_out, col_out, col_out],
+        [lay.tile_of(pp), lay.tile_of(nn, heads=False)] + [lay.column_tile()] * 3,
+        [jax.ShapeDtypeStruct(prep.x.shape, x.dtype), sum_out, col_out, col_out, col_out],
         interpret=interpret,
-        num_warps=num_warps,
-    )(prep.x, dy_l, prep.B, prep.C, cb, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
-      prep.D[:, None, None])  # fmt: skip
+        num_warps=prep.sizes.num_warps_bwd,
+    )(prep.x, dy_l, prep.B, prep.C, prep.scores(transposed=True), cs_c, cs_r, dt_c, seq_c, seq_r,
+      wst_c, dh_out, prep.D[:, None, None])  # fmt: skip
     dc_blocks, rowsum, u = _call(
         _grad_target_kernel,
         lay,
@@ -580,15 +587,15 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         [lay.tile_of(nn, heads=False), lay.column_tile(), lay.column_tile()],
         [sum_out, col_out, col_out],
         interpret=interpret,
-        num_warps=num_warps,
-    )(prep.x, dy_l, prep.B, prep.C, cb, cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
+        num_warps=prep.sizes.num_warps_bwd,
+    )(prep.x, dy_l, prep.B, prep.C, prep.scores(), cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
 
     # Decay gradient per position (see the module docstring for the terms), then a reverse
     # cumsum within each chunk gives d(dt * A).
     ddt_intra, v, rowsum, u = (arr[..., 0] for arr in (ddt_intra, v, rowsum, u))
     state_term = prep.w_state * prep.dt * v
     dcs = rowsum - prep.dt * ddt_intra + prep.w_out * u - state_term
-    carry = prep.decay * jnp.einsum("bchpn,bchpn->bhc", dh_out, h_in)
+    carry = prep.decay * carry_dots
     dcs = dcs.at[..., -1].add(jnp.sum(state_term, axis=-1) + carry)
     da = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1)
     ddt = ddt_intra + prep.w_state * v + da * prep.A[:, None, None]
@@ -601,6 +608,6 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         return arr.reshape(b, l, g, blocks // g, n).sum(axis=3)
 
     dx = prep.crop(lay.from_seq_major(dx), p)
-    dD = jnp.einsum("blhp,blhp->h", dy.astype(F32), x.astype(F32))
+    dD = jnp.sum(xdy, axis=(0, 2, 3, 4))  # padded rows and columns hold x = 0
     dh0 = dh0[:, :, :p, :n]
     return dx, ddt, dA, group_sum(db_blocks), group_sum(dc_blocks), dD, dh0

@@ -10,6 +10,7 @@ from ..checks import check_float, check_shape
 from . import kernel
 from .chunked import ssd_chunked
 from .reference import ssd_reference, ssd_sequential
+from .tiling import resolve_block_sizes
 
 IMPLS = ("auto", "chunked", "pallas", "reference", "sequential")
 
@@ -61,32 +62,32 @@ def _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant):
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
-def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, interpret, tile,
-                num_warps):  # fmt: skip
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes,
+                interpret):  # fmt: skip
     """(y, final state) by the Pallas kernels, differentiable through the hand-written backward."""
     y, final, _ = kernel.forward(
         x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
-        interpret=interpret, tile=tile, num_warps=num_warps,
+        sizes=sizes, interpret=interpret,
     )  # fmt: skip
     return y, final
 
 
-def _ssd_pallas_fwd(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, interpret,
-                    tile, num_warps):  # fmt: skip
+def _ssd_pallas_fwd(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes,
+                    interpret):  # fmt: skip
     y, final, h_in = kernel.forward(
         x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
-        interpret=interpret, tile=tile, num_warps=num_warps,
+        sizes=sizes, interpret=interpret,
     )  # fmt: skip
     return (y, final), (x, dt, A, B, C, D, initial_state, seq_idx, h_in)
 
 
-def _ssd_pallas_bwd(chunk_size, variant, interpret, tile, num_warps, residuals, cotangents):
+def _ssd_pallas_bwd(chunk_size, variant, sizes, interpret, residuals, cotangents):
     x, dt, A, B, C, D, initial_state, seq_idx, h_in = residuals
     dy, dfinal = cotangents
     dx, ddt, dA, dB, dC, dD, dh0 = kernel.backward(
         x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, chunk_size=chunk_size,
-        variant=variant, interpret=interpret, tile=tile, num_warps=num_warps,
+        variant=variant, sizes=sizes, interpret=interpret,
     )  # fmt: skip
     cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
     return (
@@ -101,7 +102,7 @@ _ssd_pallas.defvjp(_ssd_pallas_fwd, _ssd_pallas_bwd)
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "chunk_size", "return_final_state", "impl", "variant", "interpret", "tile", "num_warps"
+        "chunk_size", "return_final_state", "impl", "variant", "interpret", "block_sizes"
     ),
 )  # fmt: skip
 def ssd(
@@ -119,8 +120,7 @@ def ssd(
     impl="auto",
     variant=None,
     interpret=None,
-    tile=None,
-    num_warps=4,
+    block_sizes=None,
 ):
     """Mamba-2 SSD: y, or (y, final_state) if return_final_state.
 
@@ -142,8 +142,8 @@ def ssd(
     matmul inputs in the inputs' dtype), "reference" (quadratic form, O(l^2)) or "sequential"
     (step-by-step recurrence); the last two validate but ignore chunk_size.
     Pallas only: variant "gpu" (Triton) or "tpu" (Mosaic), None = the backend's; interpret
-    None = compiled on the variant's hardware, interpreted elsewhere; tile (rows per kernel
-    tile, dividing chunk_size) and num_warps are tuning knobs.
+    None = compiled on the variant's hardware, interpreted elsewhere; block_sizes
+    (`BlockSizes`: rows per tile, heads per backward program, warps) tunes the kernels.
     """
     _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl)
     if impl == "auto":
@@ -164,11 +164,9 @@ def ssd(
     if impl == "pallas":
         variant = variant or backend.default_variant()
         _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant)
-        if tile is not None and (tile <= 0 or chunk_size % tile):
-            raise ValueError(f"tile must divide chunk_size = {chunk_size}, got {tile}")
+        sizes = resolve_block_sizes(variant, chunk_size, x.shape[2] // B.shape[2], block_sizes)
         y, final = _ssd_pallas(
-            x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, interpret, tile,
-            num_warps,
-        )  # fmt: skip
+            x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes, interpret
+        )
         return (y, final) if return_final_state else y
     return ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **kwargs)

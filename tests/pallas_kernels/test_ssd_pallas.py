@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.backend import lower_for
-from pallas_kernels.ssd import ssd
+from pallas_kernels.ssd import BlockSizes, ssd
 
 # Max abs error relative to the largest reference magnitude, per input dtype (forward and every
 # gradient). bf16: the kernels feed bf16 to the matmuls (as mamba_ssm does) while the reference
@@ -80,8 +80,8 @@ def test_gpu_variant_interpreted(g, seq, dtype):
     seq_idx = jnp.asarray(SEQ_IDX) if seq else None
     ref = value_and_grads(inputs, cts, seq_idx, chunk_size=16, impl="chunked")
     got = value_and_grads(
-        inputs, cts, seq_idx, chunk_size=16, impl="pallas", variant="gpu", tile=8,
-        interpret=True,
+        inputs, cts, seq_idx, chunk_size=16, impl="pallas", variant="gpu",
+        block_sizes=BlockSizes(tile=8, tile_bwd=8, heads_per_block=2), interpret=True,
     )  # fmt: skip
     assert_matches(flat(got), flat(ref), dtype)
 
@@ -121,8 +121,17 @@ def test_bad_inputs_are_named():
     pos = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
     with pytest.raises(ValueError, match="chunk_size a power of two >= 16, got 24"):
         ssd(*pos, chunk_size=24, impl="pallas", variant="gpu")
-    with pytest.raises(ValueError, match="tile must divide chunk_size = 16, got 12"):
-        ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", tile=12)
+    with pytest.raises(
+        ValueError, match="block_sizes.tile_bwd must divide chunk_size = 16, got 12"
+    ):
+        ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(tile_bwd=12))
+    with pytest.raises(
+        ValueError, match="heads_per_block must divide the heads per group = 2, got 4"
+    ):
+        ssd(*pos, chunk_size=16, impl="pallas", variant="gpu",
+            block_sizes=BlockSizes(heads_per_block=4))  # fmt: skip
+    with pytest.raises(ValueError, match="block_sizes.num_warps must be a positive int, got 0"):
+        ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(num_warps=0))
     with pytest.raises(ValueError, match="variant must be one of .* got 'cuda'"):
         ssd(*pos, chunk_size=16, impl="pallas", variant="cuda")
 

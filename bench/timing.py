@@ -1,0 +1,70 @@
+"""Timing helpers shared by the kernel benchmarks: synchronised medians, pipelined means,
+per-kernel GPU times from the JAX profiler, and `name:key=value,...` tuning configurations."""
+
+import collections
+import glob
+import statistics
+import tempfile
+import time
+
+import jax
+
+
+def median_ms(fn, reps, sync):
+    """Median wall time of fn() in ms after two warm-up calls."""
+    for _ in range(2):
+        sync(fn())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        sync(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def pipelined_ms(fn, reps, sync):
+    """Mean time per call in ms of `reps` calls issued back to back, synchronised once at the
+    end: the host's dispatch overlaps the device's work (what a training loop sees, and what
+    CUDA-event timers like triton.testing.do_bench measure), unlike median_ms, which adds one
+    dispatch-and-wait latency per call."""
+    for _ in range(2):
+        sync(fn())
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    sync(out)
+    return (time.perf_counter() - start) * 1e3 / reps
+
+
+def kernel_times_us(fn, reps=10):
+    """{GPU kernel name: microseconds per call of fn()} from a profiler trace of `reps` calls
+    (XLA fusions by their HLO name, Pallas kernels by their kernel function's name)."""
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(reps):
+            out = fn()
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    totals = collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):  # the per-stream kernel lines, not summaries
+                continue
+            for event in line.events:
+                totals[event.name] += event.duration_ns / 1e3 / reps
+    return dict(totals.most_common())
+
+
+def parse_config(text):
+    """'name:key=value,key=value' -> (name, {key: int value})."""
+    name, _, rest = text.partition(":")
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        kw[key] = int(value)
+    return name, kw
