@@ -128,7 +128,7 @@ def main():
             try:
                 row[f"pallas_{name}_ms"] = median_ms(fn, args.reps, jax_sync)
                 row[f"pipelined_{name}_ms"] = pipelined_ms(fn, args.reps, jax_sync)
-            except jax.errors.JaxRuntimeError as err:  # e.g. tiles over the shared memory
+            except (ValueError, jax.errors.JaxRuntimeError) as err:  # a bad config for the shape
                 row[f"error_{name}"] = str(err).splitlines()[0]
                 continue
             if args.profile:

@@ -1,4 +1,4 @@
-"""Mamba-2 SSD in Pallas: the chunked algorithm as four kernels plus two small scans in JAX.
+"""Mamba-2 SSD in Pallas: the chunked algorithm as six kernels plus small scans in JAX.
 
 Forward (Dao & Gu, arXiv:2405.21060 §6): with cs the within-chunk cumulative log-decay,
     chunk_state:  S_c = sum_t w_state[t] dt[t] x_t B_t^T                       (p, n) per chunk
@@ -7,13 +7,17 @@ Forward (Dao & Gu, arXiv:2405.21060 §6): with cs the within-chunk cumulative lo
 with L[s,t] = exp(cs_s - cs_t), w_out[s] = exp(cs_s), w_state[t] = exp(cs_K - cs_t) and
 decay_c = exp(cs_K), each zeroed where seq_idx says the positions belong to different
 documents. Backward: chunk_state again (on dy, C, w_out) for the state gradient, a reverse scan
-of it, then grad_source (dx, dB, per source tile t) and grad_target (dC and the decay terms,
-per target tile s). The per-position decay gradient is assembled in JAX from the kernels'
-row sums; ddt is never obtained by dividing by dt.
+of it, then per source tile t grad_dx (one head) and grad_db (dB and decay terms of a block of
+heads), and per target tile s grad_target (dC and decay terms of a block of heads). The dB / dC
+kernels loop over heads inside the loop over tiles: the block's (t, s) matrices are summed over
+heads before their one matmul with C_s / B_t. The per-position decay gradient is assembled in
+JAX from the kernels' row sums; ddt is never obtained by dividing by dt.
 
 C_s . B_t of every pair in a chunk is one batched matmul in XLA, shared by the heads of a
-group; the kernels read its (tile, tile) blocks. Kernels see one chunk and a block of heads at a
-time, tiled by `tile` rows; nothing of size (b, l, h, p, n) is written. Variants: "gpu" keeps
+group and stored in the matmul dtype (the kernels round C.B L to it before their matmuls
+anyway; bf16 halves the largest load); the kernels read its (tile, tile) blocks. Kernels see
+one chunk and a block of heads at a time, tiled by `tile` rows; nothing of size
+(b, l, h, p, n) is written. Variants: "gpu" keeps
 the (b, l, h, p) layout of the caller (strided blocks are free for Triton) and passes states
 over chunks with a small kernel; "tpu" moves heads in front so every block ends in two
 whole-or-tiled dims, and passes states with a lax.scan. Letters: b batch, h head, g group,
@@ -107,123 +111,173 @@ def _chunk_out_kernel(
     x_ref, cb_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
     h_ref, d_ref, y_ref, *, tile, seq_major,
 ):  # fmt: skip
-    """y for one chunk of one head, tile by tile: the causal intra-chunk sum, the incoming
-    state (read once per chunk, not once per tile: it is as large as x's chunk), D x."""
+    """y for target tile i of one head: the causal intra-chunk sum, the incoming state, D x."""
     x_ref, y_ref = _head(x_ref, 0, seq_major), _head(y_ref, 0, seq_major)
     cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref = (
         _Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref)
     )
-    k, p = x_ref.shape
-    h_pn = h_ref[...].astype(c_ref.dtype)
-
-    def one_tile(i, _):
-        rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
-        c_s = c_ref[rows_s, :]
-        cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
-        pos_s = _positions(i * tile, tile, as_row=False)
-
-        def body(j, acc_sp):
-            start = pl.multiple_of(j * tile, tile)
-            cols = pl.ds(start, tile)
-            keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
-            decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
-            scores_st = cb_ref[rows_s, cols] * decay_st * dt_r_ref[:, cols]
-            return acc_sp + _dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
-
-        acc_sp = jax.lax.fori_loop(0, i + 1, body, jnp.zeros((tile, p), F32))
-        state_sp = _dot(c_s, h_pn, trans_b=True)
-        acc_sp += wout_ref[rows_s, :] * state_sp + d_ref[0, 0] * x_ref[rows_s, :].astype(F32)
-        y_ref[rows_s, :] = acc_sp.astype(y_ref.dtype)
-        return 0
-
-    jax.lax.fori_loop(0, k // tile, one_tile, 0)
-
-
-def _grad_source_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref,
-    wst_ref, dh_ref, d_ref, dx_ref, db_ref, ddt_ref, v_ref, xdy_ref, *, tile, seq_major,
-):  # fmt: skip
-    """For source tile i (rows t) and a block of heads of one group, summing over targets
-    s >= t in [t, s] orientation: per head dx, ddt's intra part sum_s G.L.CB,
-    v_t = x_t . (dH_out B_t) and x_t . dy_t (for dD); dB summed over the block's heads."""
     i = pl.program_id(3)
-    k = b_ref.shape[0]
+    rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
+    c_s = c_ref[rows_s, :]
+    cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
+    pos_s = _positions(i * tile, tile, as_row=False)
+
+    def body(j, acc_sp):
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
+        decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
+        scores_st = cb_ref[rows_s, cols] * decay_st * dt_r_ref[:, cols]
+        return acc_sp + _dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
+
+    acc_sp = jax.lax.fori_loop(0, i + 1, body, jnp.zeros((tile, x_ref.shape[1]), F32))
+    state_sp = _dot(c_s, h_ref[...].astype(c_s.dtype), trans_b=True)
+    acc_sp += wout_ref[rows_s, :] * state_sp + d_ref[0, 0] * x_ref[rows_s, :].astype(F32)
+    y_ref[...] = acc_sp.astype(y_ref.dtype)
+
+
+def _add_to_column(mat, hh, col):
+    """mat (rows, heads) with the (rows, 1) column col added to its column hh."""
+    here = jax.lax.broadcasted_iota(jnp.int32, mat.shape, 1) == hh
+    return mat + jnp.where(here, col, 0.0)
+
+
+def _column_of(mat, hh):
+    """Column hh of mat (rows, heads) as (rows, 1)."""
+    here = jax.lax.broadcasted_iota(jnp.int32, mat.shape, 1) == hh
+    return jnp.sum(jnp.where(here, mat, 0.0), axis=1, keepdims=True)
+
+
+def _grad_dx_kernel(
+    dy_ref, b_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref, dh_ref,
+    d_ref, dx_ref, *, tile, seq_major,
+):  # fmt: skip
+    """dx for source tile i (rows t) of one head: the targets s >= t of the chunk through
+    C_s.B_t L[s, t], the outgoing state's gradient through B_t, and D dy_t."""
+    dy_h = _head(dy_ref, 0, seq_major)
+    cs_c_ref, cs_r_ref, dt_c_ref, wst_ref, dh_ref, d_ref = (
+        _Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_c_ref, wst_ref, dh_ref, d_ref)
+    )
+    i = pl.program_id(3)
+    k, p = dy_h.shape
+    rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
+    cs_t, seq_t = cs_c_ref[rows_t, :], seq_c_ref[rows_t, :]
+    pos_t = _positions(i * tile, tile, as_row=False)
+
+    def body(j, dx_tp):
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
+        m_ts = cbt_ref[rows_t, cols] * _masked_exp(keep, cs_r_ref[:, cols] - cs_t)
+        return dx_tp + _dot(m_ts.astype(dy_h.dtype), dy_h[cols, :])
+
+    dx_tp = jax.lax.fori_loop(i, k // tile, body, jnp.zeros((tile, p), F32))
+    b_t = b_ref[rows_t, :]
+    b_dh_tp = _dot(b_t, dh_ref[...].astype(b_t.dtype), trans_b=True)
+    dx_tp = dt_c_ref[rows_t, :] * (dx_tp + wst_ref[rows_t, :] * b_dh_tp)
+    dx_tp += d_ref[0, 0] * dy_h[rows_t, :].astype(F32)
+    _head(dx_ref, 0, seq_major)[...] = dx_tp.astype(dx_ref.dtype)  # the block is this tile
+
+
+def _grad_db_kernel(
+    x_ref, dy_ref, b_ref, c_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref,
+    wst_ref, dh_ref, db_ref, ddt_ref, v_ref, *, tile, seq_major,
+):  # fmt: skip
+    """For source tile i (rows t) and a block of heads of one group, over targets s >= t in
+    [t, s] orientation: dB summed over the block's heads, per head ddt's intra part
+    sum_s G.L.CB and v_t = x_t . (dH_out B_t), with G = x_t . dy_s. Heads are the inner loop:
+    their dt G L tiles are summed before the one matmul with C_s per target tile."""
+    i = pl.program_id(3)
+    k, heads = b_ref.shape[0], cs_c_ref.shape[0]
     rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
     b_t, seq_t = b_ref[rows_t, :], seq_c_ref[rows_t, :]
     pos_t = _positions(i * tile, tile, as_row=False)
 
-    def one_head(hh, db_tn):
-        x_h, dy_h = _head(x_ref, hh, seq_major), _head(dy_ref, hh, seq_major)
-        x_t, dy_t = x_h[rows_t, :], dy_h[rows_t, :]
-        cs_t, dt_t = _Head(cs_c_ref, hh)[rows_t, :], _Head(dt_c_ref, hh)[rows_t, :]
+    def over_targets(j, carry):
+        db_tn, ddt_th = carry
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
+        cb_ts = cbt_ref[rows_t, cols]
 
-        def body(j, carry):  # one accumulator for dB over heads and tiles: fewer registers
-            dx_tp, db_tn, ddt_t1 = carry
-            start = pl.multiple_of(j * tile, tile)
-            cols = pl.ds(start, tile)
-            keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
-            decay_ts = _masked_exp(keep, _Head(cs_r_ref, hh)[:, cols] - cs_t)
-            cb_ts = cbt_ref[rows_t, cols]
-            gl_ts = _dot(x_t, dy_h[cols, :], trans_b=True) * decay_ts
-            dx_tp += _dot((cb_ts * decay_ts).astype(dy_t.dtype), dy_h[cols, :])
-            db_tn += _dot((gl_ts * dt_t).astype(c_ref.dtype), c_ref[cols, :])
-            ddt_t1 += jnp.sum(gl_ts * cb_ts, axis=1, keepdims=True)
-            return dx_tp, db_tn, ddt_t1
+        def over_heads(hh, inner):
+            w_ts, ddt_th = inner
+            x_t = _head(x_ref, hh, seq_major)[rows_t, :]
+            dy_s = _head(dy_ref, hh, seq_major)[cols, :]
+            decay_ts = _masked_exp(
+                keep, _Head(cs_r_ref, hh)[:, cols] - _Head(cs_c_ref, hh)[rows_t, :]
+            )
+            gl_ts = _dot(x_t, dy_s, trans_b=True) * decay_ts
+            ddt_th = _add_to_column(ddt_th, hh, jnp.sum(gl_ts * cb_ts, axis=1, keepdims=True))
+            return w_ts + gl_ts * _Head(dt_c_ref, hh)[rows_t, :], ddt_th
 
-        init = (jnp.zeros((tile, x_t.shape[1]), F32), db_tn, jnp.zeros((tile, 1), F32))
-        dx_tp, db_tn, ddt_t1 = jax.lax.fori_loop(i, k // tile, body, init)
-        dh_pn = _Head(dh_ref, hh)[...]
-        wst_t = _Head(wst_ref, hh)[rows_t, :]
-        b_dh_tp = _dot(b_t, dh_pn.astype(b_t.dtype), trans_b=True)
-        x_dh_tn = _dot(x_t, dh_pn.astype(x_t.dtype))
-        dx_tp = dt_t * (dx_tp + wst_t * b_dh_tp) + _Head(d_ref, hh)[0, 0] * dy_t.astype(F32)
-        _head(dx_ref, hh, seq_major)[...] = dx_tp.astype(dx_ref.dtype)
-        _Head(ddt_ref, hh)[...] = ddt_t1
+        w_ts, ddt_th = jax.lax.fori_loop(
+            0, heads, over_heads, (jnp.zeros((tile, tile), F32), ddt_th)
+        )
+        return db_tn + _dot(w_ts.astype(c_ref.dtype), c_ref[cols, :]), ddt_th
+
+    n = b_t.shape[1]
+    init = (jnp.zeros((tile, n), F32), jnp.zeros((tile, heads), F32))
+    db_tn, ddt_th = jax.lax.fori_loop(i, k // tile, over_targets, init)
+
+    def state_terms(hh, db_tn):
+        x_t = _head(x_ref, hh, seq_major)[rows_t, :]
+        x_dh_tn = _dot(x_t, _Head(dh_ref, hh)[...].astype(x_t.dtype))
         _Head(v_ref, hh)[...] = jnp.sum(x_dh_tn * b_t.astype(F32), axis=1, keepdims=True)
-        _Head(xdy_ref, hh)[...] = jnp.sum(x_t.astype(F32) * dy_t.astype(F32), axis=1, keepdims=True)
-        return db_tn + (dt_t * wst_t) * x_dh_tn
+        _Head(ddt_ref, hh)[...] = _column_of(ddt_th, hh)
+        w_t = _Head(dt_c_ref, hh)[rows_t, :] * _Head(wst_ref, hh)[rows_t, :]
+        return db_tn + w_t * x_dh_tn
 
-    heads = cs_c_ref.shape[0]
-    db_ref[...] = jax.lax.fori_loop(0, heads, one_head, jnp.zeros(db_ref.shape, F32))
+    db_ref[...] = jax.lax.fori_loop(0, heads, state_terms, db_tn)
 
 
 def _grad_target_kernel(
     x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref,
     wout_ref, h_ref, dc_ref, rowsum_ref, u_ref, *, tile, seq_major,
 ):  # fmt: skip
-    """For target tile i (rows s) and a block of heads of one group, summing over sources
-    t <= s in [s, t] orientation: per head rowsum_t(G.L.CB.dt) and u_s = dy_s . (H_in C_s);
-    dC summed over the block's heads."""
+    """For target tile i (rows s) and a block of heads of one group, over sources t <= s in
+    [s, t] orientation: dC summed over the block's heads, per head rowsum_t(G.L.CB.dt) and
+    u_s = dy_s . (H_in C_s). Heads are the inner loop, as in the dB kernel."""
     i = pl.program_id(3)
+    heads = cs_c_ref.shape[0]
     rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
     c_s, seq_s = c_ref[rows_s, :], seq_c_ref[rows_s, :]
     pos_s = _positions(i * tile, tile, as_row=False)
 
-    def one_head(hh, dc_sn):
-        x_h, dy_h = _head(x_ref, hh, seq_major), _head(dy_ref, hh, seq_major)
-        dy_s, cs_s = dy_h[rows_s, :], _Head(cs_c_ref, hh)[rows_s, :]
+    def over_sources(j, carry):
+        dc_sn, rowsum_sh = carry
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
+        cb_st = cb_ref[rows_s, cols]
 
-        def body(j, carry):  # one accumulator for dC over heads and tiles: fewer registers
-            dc_sn, rowsum_s1 = carry
-            start = pl.multiple_of(j * tile, tile)
-            cols = pl.ds(start, tile)
-            keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
-            decay_st = _masked_exp(keep, cs_s - _Head(cs_r_ref, hh)[:, cols])
-            q_st = _dot(dy_s, x_h[cols, :], trans_b=True) * decay_st
-            q_st *= _Head(dt_r_ref, hh)[:, cols]
-            dc_sn += _dot(q_st.astype(b_ref.dtype), b_ref[cols, :])
-            cb_st = cb_ref[rows_s, cols]
-            rowsum_s1 += jnp.sum(q_st * cb_st, axis=1, keepdims=True)
-            return dc_sn, rowsum_s1
+        def over_heads(hh, inner):
+            w_st, rowsum_sh = inner
+            dy_s = _head(dy_ref, hh, seq_major)[rows_s, :]
+            x_t = _head(x_ref, hh, seq_major)[cols, :]
+            decay_st = _masked_exp(
+                keep, _Head(cs_c_ref, hh)[rows_s, :] - _Head(cs_r_ref, hh)[:, cols]
+            )
+            q_st = _dot(dy_s, x_t, trans_b=True) * decay_st * _Head(dt_r_ref, hh)[:, cols]
+            rowsum_sh = _add_to_column(rowsum_sh, hh, jnp.sum(q_st * cb_st, axis=1, keepdims=True))
+            return w_st + q_st, rowsum_sh
 
-        dc_sn, rowsum_s1 = jax.lax.fori_loop(0, i + 1, body, (dc_sn, jnp.zeros((tile, 1), F32)))
+        w_st, rowsum_sh = jax.lax.fori_loop(
+            0, heads, over_heads, (jnp.zeros((tile, tile), F32), rowsum_sh)
+        )
+        return dc_sn + _dot(w_st.astype(b_ref.dtype), b_ref[cols, :]), rowsum_sh
+
+    init = (jnp.zeros((tile, c_s.shape[1]), F32), jnp.zeros((tile, heads), F32))
+    dc_sn, rowsum_sh = jax.lax.fori_loop(0, i + 1, over_sources, init)
+
+    def state_terms(hh, dc_sn):
+        dy_s = _head(dy_ref, hh, seq_major)[rows_s, :]
         dy_h_sn = _dot(dy_s, _Head(h_ref, hh)[...].astype(dy_s.dtype))
-        _Head(rowsum_ref, hh)[...] = rowsum_s1
+        _Head(rowsum_ref, hh)[...] = _column_of(rowsum_sh, hh)
         _Head(u_ref, hh)[...] = jnp.sum(dy_h_sn * c_s.astype(F32), axis=1, keepdims=True)
         return dc_sn + _Head(wout_ref, hh)[rows_s, :] * dy_h_sn
 
-    heads = cs_c_ref.shape[0]
-    dc_ref[...] = jax.lax.fori_loop(0, heads, one_head, jnp.zeros(dc_ref.shape, F32))
+    dc_ref[...] = jax.lax.fori_loop(0, heads, state_terms, dc_sn)
 
 
 # ---------------------------------------------------------------- layout and launch
@@ -317,7 +371,8 @@ class _Layout:
         return pl.BlockSpec((self.hb, 1, 1), lambda b, hb, c, *i: (hb, 0, 0))
 
 
-def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps):
+def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps,
+          num_stages):  # fmt: skip
     """pallas_call with this variant's compiler parameters."""
     variant = layout.variant
     return pl.pallas_call(
@@ -329,7 +384,7 @@ def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, nu
         compiler_params=compiler_params(
             variant,
             num_warps=num_warps,
-            num_stages=2,
+            num_stages=num_stages,
             dimension_semantics=("parallel",) * len(grid),
         ),
         interpret=interpret_for(variant, interpret),
@@ -357,6 +412,7 @@ class Prepared:
         self.sizes = sizes  # resolved BlockSizes
         self.layout = _Layout(variant, k, sizes.tile, h // g)
         self.grad_layout = _Layout(variant, k, sizes.tile_bwd, h // g, sizes.heads_per_block)
+        self.dx_layout = _Layout(variant, k, sizes.tile_bwd, h // g)
 
         def pad(arr, f_pad):
             """Zero-pad the length to c * k and the feature dim to f_pad, in the mm dtype."""
@@ -386,17 +442,20 @@ class Prepared:
         self.decay = jnp.where(keep_bhc, jnp.exp(cs_end[..., 0]), 0.0)
 
     def scores(self, transposed=False):
-        """C_s . B_t for every pair of positions of each chunk: (b, c, g, k, k) fp32 indexed
-        [s, t] (or [t, s] if transposed, for the source-tile kernel: a transposed fp32 load
-        would go through shared memory), one batched matmul shared by all heads of a group."""
+        """C_s . B_t for every pair of positions of each chunk: (b, c, g, k, k) in the matmul
+        dtype, indexed [s, t] (or [t, s] if transposed, for the source-tile kernels: a
+        transposed load would go through shared memory), one batched matmul (fp32 accumulation)
+        shared by all heads of a group."""
         b, _, _, _, g, _ = self.shape
         c, k = self.c, self.k
         out = "bcgts" if transposed else "bcgst"
         if self.layout.gpu:
             B, C = (v.reshape(b, c, k, g, self.n_pad) for v in (self.B, self.C))
-            return jnp.einsum(f"bcsgn,bctgn->{out}", C, B, preferred_element_type=F32)
-        B, C = (v.reshape(b, g, c, k, self.n_pad) for v in (self.B, self.C))
-        return jnp.einsum(f"bgcsn,bgctn->{out}", C, B, preferred_element_type=F32)
+            cb = jnp.einsum(f"bcsgn,bctgn->{out}", C, B, preferred_element_type=F32)
+        else:
+            B, C = (v.reshape(b, g, c, k, self.n_pad) for v in (self.B, self.C))
+            cb = jnp.einsum(f"bgcsn,bgctn->{out}", C, B, preferred_element_type=F32)
+        return cb.astype(self.mm_dtype)
 
     def vectors(self, *arrays):
         """(b, h, c, k) fp32 arrays as (b, h, c, k, 1) columns / (b, h, c, 1, k) rows."""
@@ -422,30 +481,26 @@ def chunk_states(prep, x, w_bhck, B, *, interpret=None):
         jax.ShapeDtypeStruct((b, prep.c, h, p, n), F32),
         interpret=interpret,
         num_warps=prep.sizes.num_warps,
+        num_stages=prep.sizes.num_stages,
     )(x, w_bhck[..., None], B)
 
 
-def _pass_kernel(s_ref, decay_ref, h0_ref, *refs, reverse):
+def _pass_kernel(s_ref, decay_ref, h0_ref, out_ref, last_ref, *, reverse):
     """One (b, h): out[c] = the carry entering chunk c, carry = decay[c] * carry + s[c], over
-    the chunks in order (or in reverse); last = the carry after all of them. Given `other`
-    (c, p, n) also dots[c] = <out[c], other[c]>, while out[c] is still in registers."""
-    other_ref, out_ref, last_ref, dots_ref = refs if len(refs) == 4 else (None, *refs, None)
+    the chunks in order (or in reverse); last = the carry after all of them."""
     num = s_ref.shape[0]
 
     def body(j, carry_pn):
         ci = num - 1 - j if reverse else j
         out_ref[ci] = carry_pn
-        if other_ref is not None:
-            dots_ref[ci] = jnp.sum(carry_pn * other_ref[ci])
         return decay_ref[ci] * carry_pn + s_ref[ci]
 
     last_ref[...] = jax.lax.fori_loop(0, num, body, h0_ref[...])
 
 
-def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
-    """(carries (b, c, h, p', n'), last carry) of the linear recurrence over chunks, plus the
-    dots (b, h, c) of the carries with `other` if given: a Pallas kernel on gpu (one program
-    per (b, h), the carry in registers), a lax.scan on tpu."""
+def _pass(prep, s_bchpn, h0_bhpn, *, reverse, interpret=None):
+    """(carries (b, c, h, p', n'), last carry) of the linear recurrence over chunks: a Pallas
+    kernel on gpu (one program per (b, h), the carry in registers), a lax.scan on tpu."""
     if not prep.layout.gpu:
 
         def step(carry_bhpn, inputs):
@@ -454,31 +509,22 @@ def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
 
         xs = (jnp.moveaxis(prep.decay, 2, 0), jnp.moveaxis(s_bchpn, 1, 0))
         last, out_cbhpn = jax.lax.scan(step, h0_bhpn, xs, reverse=reverse)
-        out = jnp.moveaxis(out_cbhpn, 0, 1)
-        if other is None:
-            return out, last
-        return out, last, jnp.einsum("bchpn,bchpn->bhc", out, other)
+        return jnp.moveaxis(out_cbhpn, 0, 1), last
     b, c, h, p, n = s_bchpn.shape
     state = pl.BlockSpec((None, None, p, n), lambda bi, hi: (bi, hi, 0, 0))
     chunks = pl.BlockSpec((None, c, None, p, n), lambda bi, hi: (bi, 0, hi, 0, 0))
-    per_chunk = pl.BlockSpec((None, None, c), lambda bi, hi: (bi, hi, 0))
-    in_specs, out_specs = [chunks, per_chunk, state], [chunks, state]
-    out_shape = [jax.ShapeDtypeStruct(s_bchpn.shape, F32), jax.ShapeDtypeStruct(h0_bhpn.shape, F32)]
-    args = [s_bchpn, prep.decay, h0_bhpn]
-    if other is not None:
-        in_specs.append(chunks)
-        out_specs.append(per_chunk)
-        out_shape.append(jax.ShapeDtypeStruct((b, h, c), F32))
-        args.append(other)
     return pl.pallas_call(
         functools.partial(_pass_kernel, reverse=reverse),
         grid=(b, h),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[chunks, pl.BlockSpec((None, None, c), lambda bi, hi: (bi, hi, 0)), state],
+        out_specs=[chunks, state],
+        out_shape=[
+            jax.ShapeDtypeStruct(s_bchpn.shape, F32),
+            jax.ShapeDtypeStruct(h0_bhpn.shape, F32),
+        ],
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
         interpret=interpret_for("gpu", interpret),
-    )(*args)
+    )(s_bchpn, prep.decay, h0_bhpn)
 
 
 def pass_states(prep, S_bchpn, h0_bhpn, interpret=None):
@@ -486,10 +532,9 @@ def pass_states(prep, S_bchpn, h0_bhpn, interpret=None):
     return _pass(prep, S_bchpn, h0_bhpn, reverse=False, interpret=interpret)
 
 
-def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, h_in, interpret=None):
-    """Reverse: (dH_out (b, c, h, p', n') leaving each chunk, d initial state,
-    <dH_out[c], H_in[c]> (b, h, c) for the decay gradient)."""
-    return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, other=h_in, interpret=interpret)
+def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, interpret=None):
+    """Reverse: (dH_out (b, c, h, p', n') leaving each chunk, d initial state)."""
+    return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, interpret=interpret)
 
 
 def pad_state(prep, state_bhpn):
@@ -508,7 +553,7 @@ def chunk_outputs(prep, h_in, *, interpret=None):
     b, _, h, *_ = prep.shape
     p, n = prep.p_pad, prep.n_pad
     cs_c, dt_c, wout_c, cs_r, dt_r, _ = prep.vectors(prep.cs, prep.dt, prep.w_out)
-    grid = (b, h, prep.c)
+    grid = (b, h, prep.c, prep.k // lay.tile)
     in_specs = [
         lay.chunk(p), lay.scores(), lay.group_chunk(n), lay.column(), lay.row(),
         lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(p, n), lay.scalar(),
@@ -518,10 +563,11 @@ def chunk_outputs(prep, h_in, *, interpret=None):
         lay,
         grid,
         in_specs,
-        lay.chunk(p),
+        lay.tile_of(p),
         jax.ShapeDtypeStruct(prep.x.shape, prep.out_dtype),
         interpret=interpret,
         num_warps=prep.sizes.num_warps,
+        num_stages=prep.sizes.num_stages,
     )(
         prep.x, prep.scores(), prep.C, cs_c, cs_r, dt_r, prep.seq[..., None], prep.seq[:, :, None],
         wout_c, h_in, prep.D[:, None, None],
@@ -553,7 +599,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
 
     # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
     dS = chunk_states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
-    dh_out, dh0, carry_dots = pass_state_grads(prep, dS, pad_state(prep, dfinal), h_in, interpret)
+    dh_out, dh0 = pass_state_grads(prep, dS, pad_state(prep, dfinal), interpret)
 
     cs_c, dt_c, wout_c, wst_c, cs_r, dt_r, _, _ = prep.vectors(
         prep.cs, prep.dt, prep.w_out, prep.w_state
@@ -567,18 +613,42 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     col_out = jax.ShapeDtypeStruct((b, h, c, k, 1), F32)
     sum_shape = (b, c * k, blocks, nn) if lay.gpu else (b, blocks, c * k, nn)
     sum_out = jax.ShapeDtypeStruct(sum_shape, F32)
-    dx, db_blocks, ddt_intra, v, xdy = _call(
-        _grad_source_kernel,
-        lay,
-        grid,
-        common + [lay.column(), lay.seq_column(), lay.seq_row(), lay.column(),
-                  lay.state(pp, nn), lay.scalar()],
-        [lay.tile_of(pp), lay.tile_of(nn, heads=False)] + [lay.column_tile()] * 3,
-        [jax.ShapeDtypeStruct(prep.x.shape, x.dtype), sum_out, col_out, col_out, col_out],
+    cbt = prep.scores(transposed=True)
+    one = prep.dx_layout
+    dx = _call(
+        _grad_dx_kernel,
+        one,
+        (b, h, c, k // one.tile),
+        [
+            one.chunk(pp),
+            one.group_chunk(nn),
+            one.scores(),
+            one.column(),
+            one.row(),
+            one.column(),
+            one.seq_column(),
+            one.seq_row(),
+            one.column(),
+            one.state(pp, nn),
+            one.scalar(),
+        ],
+        one.tile_of(pp),
+        jax.ShapeDtypeStruct(prep.x.shape, x.dtype),
         interpret=interpret,
         num_warps=prep.sizes.num_warps_bwd,
-    )(prep.x, dy_l, prep.B, prep.C, prep.scores(transposed=True), cs_c, cs_r, dt_c, seq_c, seq_r,
-      wst_c, dh_out, prep.D[:, None, None])  # fmt: skip
+        num_stages=prep.sizes.num_stages_bwd,
+    )(dy_l, prep.B, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out, prep.D[:, None, None])
+    db_blocks, ddt_intra, v = _call(
+        _grad_db_kernel,
+        lay,
+        grid,
+        common + [lay.column(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(pp, nn)],
+        [lay.tile_of(nn, heads=False), lay.column_tile(), lay.column_tile()],
+        [sum_out, col_out, col_out],
+        interpret=interpret,
+        num_warps=prep.sizes.num_warps_bwd,
+        num_stages=prep.sizes.num_stages_bwd,
+    )(prep.x, dy_l, prep.B, prep.C, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out)
     dc_blocks, rowsum, u = _call(
         _grad_target_kernel,
         lay,
@@ -588,6 +658,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         [sum_out, col_out, col_out],
         interpret=interpret,
         num_warps=prep.sizes.num_warps_bwd,
+        num_stages=prep.sizes.num_stages_bwd,
     )(prep.x, dy_l, prep.B, prep.C, prep.scores(), cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
 
     # Decay gradient per position (see the module docstring for the terms), then a reverse
@@ -595,7 +666,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     ddt_intra, v, rowsum, u = (arr[..., 0] for arr in (ddt_intra, v, rowsum, u))
     state_term = prep.w_state * prep.dt * v
     dcs = rowsum - prep.dt * ddt_intra + prep.w_out * u - state_term
-    carry = prep.decay * carry_dots
+    carry = prep.decay * jnp.einsum("bchpn,bchpn->bhc", dh_out, h_in)
     dcs = dcs.at[..., -1].add(jnp.sum(state_term, axis=-1) + carry)
     da = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1)
     ddt = ddt_intra + prep.w_state * v + da * prep.A[:, None, None]
@@ -608,6 +679,6 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         return arr.reshape(b, l, g, blocks // g, n).sum(axis=3)
 
     dx = prep.crop(lay.from_seq_major(dx), p)
-    dD = jnp.sum(xdy, axis=(0, 2, 3, 4))  # padded rows and columns hold x = 0
+    dD = jnp.einsum("blhp,blhp->h", dy.astype(F32), x.astype(F32))
     dh0 = dh0[:, :, :p, :n]
     return dx, ddt, dA, group_sum(db_blocks), group_sum(dc_blocks), dD, dh0

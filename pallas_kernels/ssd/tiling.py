@@ -16,6 +16,8 @@ class BlockSizes:
     # heads // groups): their dB / dC leave the kernel summed over the block
     num_warps: int | None = None  # Triton warps per forward program (gpu only)
     num_warps_bwd: int | None = None  # Triton warps per backward program (gpu only)
+    num_stages: int | None = None  # Triton software-pipelining stages, forward (gpu only)
+    num_stages_bwd: int | None = None  # the same for the backward kernels (gpu only)
 
 
 # gpu: (64, 64) fp32 score tiles; tpu: 128 rows (the lane width).
@@ -23,9 +25,10 @@ _TILE = {"gpu": 64, "tpu": 128}
 
 
 def _default_heads_per_block(r):
-    """The largest power of two <= 8 dividing r (heads per group): 8x smaller dB / dC sums."""
+    """The largest power of two <= 16 dividing r (heads per group): fewer, larger programs
+    and up to 16x smaller dB / dC sums (16 measured faster than 8 and 4 at 80 heads)."""
     hb = 1
-    while hb < 8 and r % (2 * hb) == 0:
+    while hb < 16 and r % (2 * hb) == 0:
         hb *= 2
     return hb
 
@@ -45,6 +48,8 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
         heads_per_block=sizes.heads_per_block or _default_heads_per_block(heads_per_group),
         num_warps=sizes.num_warps or 4,
         num_warps_bwd=sizes.num_warps_bwd or 4,
+        num_stages=sizes.num_stages or 2,
+        num_stages_bwd=sizes.num_stages_bwd or 2,
     )
     for name in ("tile", "tile_bwd"):
         if chunk_size % getattr(sizes, name):
