@@ -24,7 +24,8 @@ def auto_picks_pallas():
     """Whether impl="auto" takes the Pallas kernels: on a GPU (where they were measured faster
     than the pure-JAX paths, BENCHMARKS.md), and not under a multi-device mesh with
     automatically partitioned axes (XLA cannot split a kernel's custom call; GSPMD partitions
-    the pure-JAX path instead). Inside shard_map (manual axes) each device runs its kernel.
+    the pure-JAX path instead). Inside shard_map (manual axes) each device runs its kernel:
+    hax_jax's layers call the ops that way under a mesh (hax_jax/kernel_sharding.py).
     TPU keeps the pure-JAX paths until the Mosaic variants are measured on a TPU."""
     if jax.default_backend() != "gpu":
         return False

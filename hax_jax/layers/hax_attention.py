@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import ModelConfig
+from hax_jax.kernel_sharding import per_device
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.sharding import linear_axes
 from pallas_kernels.sparse_attention import (
@@ -147,20 +148,27 @@ class HaxBranch(nnx.Module):
         return o * self.E[...].astype(o.dtype)
 
     def _attend(self, q, k, x, hash_proj, scores) -> jax.Array:
-        """The sub-quadratic op: q, k (b, l, N), V = x (b, l, e), scores (b, l) -> o (b, l, e)."""
-        return sparse_attention(
-            q,
-            k,
-            x,
-            pattern=self.cfg.pattern,
-            num_keys=self.cfg.num_keys,
-            hash_proj=hash_proj,
-            key_scores=None if scores is None else jax.lax.stop_gradient(scores),
-            max_len=self.cfg.max_len,
-            binning=self.cfg.binning,
-            official_code=self.cfg.official_code,
-            impl=self.cfg.impl,
-        )
+        """The sub-quadratic op: q, k (b, l, N), V = x (b, l, e), scores (b, l) -> o (b, l, e).
+        On a mesh each device attends for its batch rows and its slice of e (q, k whole)."""
+
+        def attend(q, k, v, hash_proj, key_scores):
+            return sparse_attention(
+                q, k, v, pattern=self.cfg.pattern, num_keys=self.cfg.num_keys,
+                hash_proj=hash_proj, key_scores=key_scores, max_len=self.cfg.max_len,
+                binning=self.cfg.binning, official_code=self.cfg.official_code,
+                impl=self.cfg.impl,
+            )  # fmt: skip
+
+        key_scores = None if scores is None else jax.lax.stop_gradient(scores)
+        rows = ("batch", "seq", None)
+        return per_device(
+            attend,
+            self.cfg.impl,
+            (q, k, x, hash_proj, key_scores),
+            [rows, rows, ("batch", "seq", "inner"), None if hash_proj is None else (None, None),
+             None if key_scores is None else ("batch", "seq")],
+            [("batch", "seq", "inner")],
+        )  # fmt: skip
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:
         """Samples kc candidate keys per sequence uniformly without replacement (never padding) and ranks them."""

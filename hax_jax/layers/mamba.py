@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.kernel_sharding import per_device
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
 from hax_jax.sharding import linear_axes
@@ -128,18 +129,23 @@ class MambaMixer(nnx.Module):
         x, conv_state = self.conv1d(x, state=None if cache is None else cache.conv)
         x = jax.nn.silu(x)
         dt, B, C = self._dt_B_C(x)
-        y, ssm_state = selective_scan(
-            x,
-            dt,
-            -jnp.exp(self.A_log[...]),
-            B,
-            C,
-            D=self.D[...],
-            z=z,
-            initial_state=None if cache is None else cache.ssm,
-            return_final_state=True,
-            impl=self.scan_impl,
-        )
+
+        def scan(x, dt, A, B, C, D, z, initial_state):
+            return selective_scan(
+                x, dt, A, B, C, D=D, z=z, initial_state=initial_state, return_final_state=True,
+                impl=self.scan_impl,
+            )  # fmt: skip
+
+        h0 = None if cache is None else cache.ssm
+        channels = ("batch", "seq", "inner")
+        y, ssm_state = per_device(
+            scan,
+            self.scan_impl,
+            (x, dt, -jnp.exp(self.A_log[...]), B, C, self.D[...], z, h0),
+            [channels, channels, ("inner", None), ("batch", "seq", None), ("batch", "seq", None),
+             ("inner",), channels, None if h0 is None else ("batch", "inner", None)],
+            [channels, ("batch", "inner", None)],
+        )  # fmt: skip
         sparse_cache = None
         if self.branch is not None:
             # HAX with Mamba: y = scan(x) * SiLU(z) + o * E * SiLU(z).

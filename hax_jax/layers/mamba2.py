@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.kernel_sharding import per_device, ssd_head_and_group_names
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import SparseAttentionCache
 from hax_jax.layers.mamba import dt_bias_init, sparse_branch
@@ -121,19 +122,25 @@ class Mamba2Mixer(nnx.Module):
             xBC, state=None if cache is None else cache.conv, seq_idx=seq_idx
         )
         x, B, C = self._x_B_C(jax.nn.silu(xBC))
-        y, ssm_state = ssd(
-            x,
-            dt,
-            -jnp.exp(self.A_log[...]),
-            B,
-            C,
-            chunk_size=self.chunk_size,
-            D=self.D[...],
-            initial_state=None if cache is None else cache.ssm,
-            return_final_state=True,
-            seq_idx=seq_idx,
-            impl=self.ssd_impl,
-        )
+
+        def scan(x, dt, A, B, C, D, initial_state, seq_idx):
+            return ssd(
+                x, dt, A, B, C, chunk_size=self.chunk_size, D=D, initial_state=initial_state,
+                return_final_state=True, seq_idx=seq_idx, impl=self.ssd_impl,
+            )  # fmt: skip
+
+        heads, groups = ssd_head_and_group_names(self.n_heads, self.ngroups)
+        h0 = None if cache is None else cache.ssm
+        y, ssm_state = per_device(
+            scan,
+            self.ssd_impl,
+            (x, dt, -jnp.exp(self.A_log[...]), B, C, self.D[...], h0, seq_idx),
+            [("batch", "seq", heads, None), ("batch", "seq", heads), (heads,),
+             ("batch", "seq", groups, None), ("batch", "seq", groups, None), (heads,),
+             None if h0 is None else ("batch", heads, None, None),
+             None if seq_idx is None else ("batch", "seq")],
+            [("batch", "seq", heads, None), ("batch", heads, None, None)],
+        )  # fmt: skip
         y = y.reshape(b, l, self.d_inner)
         sparse_cache = None
         if self.branch is not None:

@@ -1,0 +1,142 @@
+"""Pallas kernels under a multi-device mesh run per device in shard_map: same values and gradients
+as on one device; with a split sequence axis the layers keep the pure-JAX paths.
+
+The kernels run in Pallas interpret mode on the 8 simulated CPU devices of tests/conftest.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hax_jax import sharding
+from hax_jax.config import Mamba2Config, MambaConfig, MeshConfig, ModelConfig, SparseConfig
+from hax_jax.kernel_sharding import ssd_head_and_group_names
+from hax_jax.models.blocks import MIXERS
+from tests.support.mixer_testing import perturbed, random_inputs
+
+RTOL = 1e-5  # fp32: max |sharded - single| / max |single|, per array
+CPUS = jax.devices("cpu")
+
+
+def _mixer(kind: str, ngroups: int = 1):
+    """A small mixer with the HAX branch, every op on its Pallas kernels (interpreted on CPU)."""
+    cfg = ModelConfig(
+        d_model=32,
+        n_layer=1,
+        vocab_size=40,
+        block_pattern=(kind,),
+        mamba=MambaConfig(d_state=8, scan_impl="pallas"),
+        mamba2=Mamba2Config(
+            d_state=16, headdim=16, chunk_size=16, ngroups=ngroups, ssd_impl="pallas"
+        ),
+        sparse=SparseConfig(pattern="lsh+ks", num_keys=8, hash_bits=3, impl="pallas"),
+    )
+    return perturbed(MIXERS[kind](cfg, rngs=nnx.Rngs(0)), seed=7, scale=0.2)
+
+
+def _loss_and_grads(mixer, u):
+    """(y, d loss / d params, d loss / d u) of a fixed random projection of the mixer's output."""
+    weights = jax.random.normal(jax.random.key(1), u.shape)
+
+    def loss(mixer, u):
+        y, _ = mixer(u)
+        return jnp.sum(y * weights), y
+
+    (_, y), (d_params, d_u) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        mixer, u
+    )
+    return y, d_params, d_u
+
+
+def _jaxpr(mixer, u) -> str:
+    """The mixer's forward as jaxpr text (under the current mesh)."""
+    graphdef, state = nnx.split(mixer)
+    return str(jax.make_jaxpr(lambda state, u: nnx.merge(graphdef, state)(u)[0])(state, u))
+
+
+def _assert_close(actual, desired, what):
+    for path, a, d in zip(
+        jax.tree_util.tree_leaves_with_path(actual),
+        jax.tree.leaves(actual),
+        jax.tree.leaves(desired),
+    ):
+        a, d = np.asarray(a), np.asarray(d)
+        err = np.max(np.abs(a - d)) / max(np.max(np.abs(d)), 1e-12)
+        assert err <= RTOL, f"{what} {jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kind, ngroups", [("mamba2", 1), ("mamba2", 2), ("mamba", 1)])
+def test_sharded_kernels_match_one_device(kind, ngroups):
+    """data = 2 x tensor = 2: batch rows and heads / channels split, B and C of one group
+    replicated, two groups split with their heads; values and every gradient as on one device."""
+    mixer, u = _mixer(kind, ngroups), random_inputs(b=2, l=32, d=32)
+    y_ref, dp_ref, du_ref = _loss_and_grads(mixer, u)
+    mesh = sharding.make_mesh(MeshConfig(data=2, seq=1, tensor=2), CPUS)
+    with jax.set_mesh(mesh):
+        y, dp, du = _loss_and_grads(mixer, u)
+        jaxpr = _jaxpr(mixer, u)
+    assert jaxpr.count("shard_map") >= 2, "the kernels did not run inside shard_map"
+    _assert_close(y, y_ref, "y")
+    _assert_close(du, du_ref, "du")
+    _assert_close(nnx.to_pure_dict(dp), nnx.to_pure_dict(dp_ref), "grad")
+
+
+def test_split_sequence_keeps_the_pure_jax_paths():
+    """A "seq" axis of 2 cannot split a recurrence: no shard_map, GSPMD partitions the op."""
+    mixer, u = _mixer("mamba2"), random_inputs(b=2, l=32, d=32)
+    mesh = sharding.make_mesh(MeshConfig(data=2, seq=2, tensor=2), CPUS)
+    with jax.set_mesh(mesh):
+        jaxpr = _jaxpr(mixer, u)
+    assert "shard_map" not in jaxpr
+
+
+@pytest.mark.parametrize(
+    "heads, groups, tensor, expected",
+    [
+        (8, 1, 2, ("heads", None)),  # one group: replicated, every head reads it
+        (8, 4, 2, ("heads", "heads")),  # groups split with their heads
+        (12, 3, 2, (None, None)),  # 6 heads per device would straddle groups of 4
+        (6, 1, 4, (None, None)),  # heads not divisible by the tensor size
+        (8, 2, 1, (None, None)),  # no tensor axis
+    ],
+)
+def test_ssd_head_and_group_names(heads, groups, tensor, expected):
+    mesh = sharding.make_mesh(MeshConfig(data=1, seq=1, tensor=tensor), CPUS)
+    with jax.set_mesh(mesh):
+        assert ssd_head_and_group_names(heads, groups) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mamba2", "mamba"])
+def test_auto_runs_the_compiled_kernels_per_gpu(kind):
+    """On 2 GPUs, impl="auto" (the compiled Triton kernels) inside shard_map over tensor = 2
+    gives the one-GPU values and gradients."""
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = ModelConfig(
+        d_model=64,
+        n_layer=1,
+        vocab_size=40,
+        block_pattern=(kind,),
+        mamba=MambaConfig(d_state=16),
+        mamba2=Mamba2Config(d_state=64, headdim=32, chunk_size=64),
+        sparse=SparseConfig(pattern="lsh+ks", num_keys=16, hash_bits=3),
+    )
+    mixer = perturbed(MIXERS[kind](cfg, rngs=nnx.Rngs(0)), seed=7, scale=0.2)
+    u = random_inputs(b=2, l=256, d=64)
+    y_ref, dp_ref, du_ref = _loss_and_grads(mixer, u)
+    mesh = sharding.make_mesh(MeshConfig(data=1, seq=1, tensor=2), gpus[:2])
+    replicated = NamedSharding(mesh, PartitionSpec())
+    graphdef, state = nnx.split(mixer)
+    mixer = nnx.merge(graphdef, jax.device_put(state, replicated))
+    u = jax.device_put(u, replicated)
+    with jax.set_mesh(mesh):
+        y, dp, du = _loss_and_grads(mixer, u)
+        assert "shard_map" in _jaxpr(mixer, u)
+    _assert_close(y, y_ref, "y")
+    _assert_close(du, du_ref, "du")
+    _assert_close(nnx.to_pure_dict(dp), nnx.to_pure_dict(dp_ref), "grad")
