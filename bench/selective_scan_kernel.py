@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from bench.timing import kernel_times_us, median_ms, parse_config, pipelined_ms
+from bench.timing import jax_callable, kernel_times_us, median_ms, parse_config, pipelined_ms
 from pallas_kernels.selective_scan import BlockSizes, selective_scan
 
 SHAPES = [(8, 2048, 1536, 16), (2, 8192, 5120, 16)]
@@ -51,16 +51,7 @@ def jax_case(inp, backward, impl, **kw):
     def forward(x, dt, A, B, C, D, z):
         return selective_scan(x, dt, A, B, C, D=D, z=z, impl=impl, **kw)
 
-    if backward:  # dy an argument: a closed-over constant would be folded into the program
-
-        def fwd_bwd(dy, *a):  # y is returned: unused, XLA would drop the kernel making it
-            y, vjp = jax.vjp(forward, *a)
-            return y, vjp(dy)
-
-        fn = jax.jit(fwd_bwd)
-        return lambda: fn(dy, *args)
-    fn = jax.jit(forward)
-    return lambda: fn(*args)
+    return jax_callable(forward, args, dy if backward else None)
 
 
 def torch_case(inp, backward, peer_fn):

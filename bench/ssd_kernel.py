@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.timing import kernel_times_us, median_ms, parse_config, pipelined_ms
+from bench.timing import jax_callable, kernel_times_us, median_ms, parse_config, pipelined_ms
 from pallas_kernels.ssd import BlockSizes, ssd
 
 FWD_BWD = [(8, 2048, 24, 64, 128), (2, 8192, 80, 64, 128)]
@@ -51,16 +51,7 @@ def jax_case(inp, impl, backward, **kw):
     def forward(x, dt, A, B, C, D):
         return ssd(x, dt, A, B, C, D=D, chunk_size=CHUNK, impl=impl, **kw)
 
-    if backward:  # dy an argument: a closed-over constant would be folded into the program
-
-        def fwd_bwd(dy, *a):  # y is returned: unused, XLA would drop the kernel making it
-            y, vjp = jax.vjp(forward, *a)
-            return y, vjp(dy)
-
-        fn = jax.jit(fwd_bwd)
-        return lambda: fn(dy, *args)
-    fn = jax.jit(forward)
-    return lambda: fn(*args)
+    return jax_callable(forward, args, dy if backward else None)
 
 
 def torch_case(inp, backward, peer_fn):

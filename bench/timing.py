@@ -10,6 +10,22 @@ import time
 import jax
 
 
+def jax_callable(forward, args, dy=None):
+    """A no-argument callable running jit(forward)(*args), or with `dy` forward plus its vjp of
+    dy. y is returned too (unused, XLA would drop the kernel computing it: the backward does not
+    need y) and dy is an argument (a closed-over constant would be folded into the program)."""
+    if dy is None:
+        fn = jax.jit(forward)
+        return lambda: fn(*args)
+
+    def fwd_bwd(dy, *a):
+        y, vjp = jax.vjp(forward, *a)
+        return y, vjp(dy)
+
+    fn = jax.jit(fwd_bwd)
+    return lambda: fn(dy, *args)
+
+
 def median_ms(fn, reps, sync):
     """Median wall time of fn() in ms after two warm-up calls."""
     for _ in range(2):
