@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
+from .grad_kernels import grad_db_kernel, grad_dx_kernel, grad_target_kernel
 from .reference import run_ids
-
-F32 = jnp.float32
+from .tiles import F32, Head, causal_keep, dot, head, masked_exp, positions
 
 
 def _round_up_pow2(n, minimum):
@@ -41,68 +41,19 @@ def _round_up_pow2(n, minimum):
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False):
-    """a @ b with optional transposes, fp32 accumulation."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
-
-
-def _causal_keep(seq_a, seq_b, pos_a, pos_b):
-    """Pairs (a, b) with b <= a in the same document: where L is nonzero."""
-    return (pos_b <= pos_a) & (seq_a == seq_b)
-
-
-def _masked_exp(keep, log_value):
-    """exp(log_value) where keep else 0; exp never sees the masked (possibly huge) values."""
-    return jnp.where(keep, jnp.exp(jnp.where(keep, log_value, 0.0)), 0.0)
-
-
-def _positions(start, n, as_row):
-    """Chunk positions start..start+n-1 as an (n, 1) column or a (1, n) row."""
-    shape = (1, n) if as_row else (n, 1)
-    return start + jax.lax.broadcasted_iota(jnp.int32, shape, 1 if as_row else 0)
-
-
 # ---------------------------------------------------------------- kernels
-
-
-class _Head:
-    """Head hh of a ref that holds a block of heads on `axis`, indexed like a ref of one head.
-    (Triton lowers one indexer per load or store: `ref.at[hh][rows]` views cannot be used.)"""
-
-    def __init__(self, ref, hh, axis=0):
-        self.ref, self.hh, self.axis = ref, hh, axis
-        self.dtype = ref.dtype
-        self.shape = tuple(d for a, d in enumerate(ref.shape) if a != axis)
-
-    def _index(self, idx):
-        idx = [] if idx is Ellipsis else list(idx if isinstance(idx, tuple) else (idx,))
-        idx += [slice(None)] * (len(self.shape) - len(idx))
-        idx.insert(self.axis, self.hh)
-        return tuple(idx)
-
-    def __getitem__(self, idx):
-        return self.ref[self._index(idx)]
-
-    def __setitem__(self, idx, value):
-        self.ref[self._index(idx)] = value
-
-
-def _head(ref, hh, seq_major):
-    """Head hh of an x-like block: (k, heads, f) when seq_major (gpu), else (heads, k, f)."""
-    return _Head(ref, hh, 1 if seq_major else 0)
 
 
 def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile, seq_major):
     """out (p, n) = sum_t w[t] x[t]^T b[t] over the chunk (fp32), one head."""
-    x_ref, w_ref, out_ref = _head(x_ref, 0, seq_major), _Head(w_ref, 0), _Head(out_ref, 0)
+    x_ref, w_ref, out_ref = head(x_ref, 0, seq_major), Head(w_ref, 0), Head(out_ref, 0)
     k, p = x_ref.shape
     n = b_ref.shape[-1]
 
     def body(j, acc_pn):
         rows = pl.ds(pl.multiple_of(j * tile, tile), tile)
         xw = (x_ref[rows, :].astype(F32) * w_ref[rows, :]).astype(x_ref.dtype)
-        return acc_pn + _dot(xw, b_ref[rows, :], trans_a=True)
+        return acc_pn + dot(xw, b_ref[rows, :], trans_a=True)
 
     out_ref[...] = jax.lax.fori_loop(0, k // tile, body, jnp.zeros((p, n), F32))
 
@@ -112,172 +63,28 @@ def _chunk_out_kernel(
     h_ref, d_ref, y_ref, *, tile, seq_major,
 ):  # fmt: skip
     """y for target tile i of one head: the causal intra-chunk sum, the incoming state, D x."""
-    x_ref, y_ref = _head(x_ref, 0, seq_major), _head(y_ref, 0, seq_major)
+    x_ref, y_ref = head(x_ref, 0, seq_major), head(y_ref, 0, seq_major)
     cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref = (
-        _Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref)
+        Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref)
     )
     i = pl.program_id(3)
     rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
     c_s = c_ref[rows_s, :]
     cs_s, seq_s = cs_c_ref[rows_s, :], seq_c_ref[rows_s, :]
-    pos_s = _positions(i * tile, tile, as_row=False)
+    pos_s = positions(i * tile, tile, as_row=False)
 
     def body(j, acc_sp):
         start = pl.multiple_of(j * tile, tile)
         cols = pl.ds(start, tile)
-        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
-        decay_st = _masked_exp(keep, cs_s - cs_r_ref[:, cols])
+        keep = causal_keep(seq_s, seq_r_ref[:, cols], pos_s, positions(start, tile, True))
+        decay_st = masked_exp(keep, cs_s - cs_r_ref[:, cols])
         scores_st = cb_ref[rows_s, cols] * decay_st * dt_r_ref[:, cols]
-        return acc_sp + _dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
+        return acc_sp + dot(scores_st.astype(x_ref.dtype), x_ref[cols, :])
 
     acc_sp = jax.lax.fori_loop(0, i + 1, body, jnp.zeros((tile, x_ref.shape[1]), F32))
-    state_sp = _dot(c_s, h_ref[...].astype(c_s.dtype), trans_b=True)
+    state_sp = dot(c_s, h_ref[...].astype(c_s.dtype), trans_b=True)
     acc_sp += wout_ref[rows_s, :] * state_sp + d_ref[0, 0] * x_ref[rows_s, :].astype(F32)
     y_ref[...] = acc_sp.astype(y_ref.dtype)
-
-
-def _add_to_column(mat, hh, col):
-    """mat (rows, heads) with the (rows, 1) column col added to its column hh."""
-    here = jax.lax.broadcasted_iota(jnp.int32, mat.shape, 1) == hh
-    return mat + jnp.where(here, col, 0.0)
-
-
-def _column_of(mat, hh):
-    """Column hh of mat (rows, heads) as (rows, 1)."""
-    here = jax.lax.broadcasted_iota(jnp.int32, mat.shape, 1) == hh
-    return jnp.sum(jnp.where(here, mat, 0.0), axis=1, keepdims=True)
-
-
-def _grad_dx_kernel(
-    dy_ref, b_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref, dh_ref,
-    d_ref, dx_ref, *, tile, seq_major,
-):  # fmt: skip
-    """dx for source tile i (rows t) of one head: the targets s >= t of the chunk through
-    C_s.B_t L[s, t], the outgoing state's gradient through B_t, and D dy_t."""
-    dy_h = _head(dy_ref, 0, seq_major)
-    cs_c_ref, cs_r_ref, dt_c_ref, wst_ref, dh_ref, d_ref = (
-        _Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_c_ref, wst_ref, dh_ref, d_ref)
-    )
-    i = pl.program_id(3)
-    k, p = dy_h.shape
-    rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
-    cs_t, seq_t = cs_c_ref[rows_t, :], seq_c_ref[rows_t, :]
-    pos_t = _positions(i * tile, tile, as_row=False)
-
-    def body(j, dx_tp):
-        start = pl.multiple_of(j * tile, tile)
-        cols = pl.ds(start, tile)
-        keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
-        m_ts = cbt_ref[rows_t, cols] * _masked_exp(keep, cs_r_ref[:, cols] - cs_t)
-        return dx_tp + _dot(m_ts.astype(dy_h.dtype), dy_h[cols, :])
-
-    dx_tp = jax.lax.fori_loop(i, k // tile, body, jnp.zeros((tile, p), F32))
-    b_t = b_ref[rows_t, :]
-    b_dh_tp = _dot(b_t, dh_ref[...].astype(b_t.dtype), trans_b=True)
-    dx_tp = dt_c_ref[rows_t, :] * (dx_tp + wst_ref[rows_t, :] * b_dh_tp)
-    dx_tp += d_ref[0, 0] * dy_h[rows_t, :].astype(F32)
-    _head(dx_ref, 0, seq_major)[...] = dx_tp.astype(dx_ref.dtype)  # the block is this tile
-
-
-def _grad_db_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref,
-    wst_ref, dh_ref, db_ref, ddt_ref, v_ref, *, tile, seq_major,
-):  # fmt: skip
-    """For source tile i (rows t) and a block of heads of one group, over targets s >= t in
-    [t, s] orientation: dB summed over the block's heads, per head ddt's intra part
-    sum_s G.L.CB and v_t = x_t . (dH_out B_t), with G = x_t . dy_s. Heads are the inner loop:
-    their dt G L tiles are summed before the one matmul with C_s per target tile."""
-    i = pl.program_id(3)
-    k, heads = b_ref.shape[0], cs_c_ref.shape[0]
-    rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
-    b_t, seq_t = b_ref[rows_t, :], seq_c_ref[rows_t, :]
-    pos_t = _positions(i * tile, tile, as_row=False)
-
-    def over_targets(j, carry):
-        db_tn, ddt_th = carry
-        start = pl.multiple_of(j * tile, tile)
-        cols = pl.ds(start, tile)
-        keep = _causal_keep(seq_r_ref[:, cols], seq_t, _positions(start, tile, True), pos_t)
-        cb_ts = cbt_ref[rows_t, cols]
-
-        def over_heads(hh, inner):
-            w_ts, ddt_th = inner
-            x_t = _head(x_ref, hh, seq_major)[rows_t, :]
-            dy_s = _head(dy_ref, hh, seq_major)[cols, :]
-            decay_ts = _masked_exp(
-                keep, _Head(cs_r_ref, hh)[:, cols] - _Head(cs_c_ref, hh)[rows_t, :]
-            )
-            gl_ts = _dot(x_t, dy_s, trans_b=True) * decay_ts
-            ddt_th = _add_to_column(ddt_th, hh, jnp.sum(gl_ts * cb_ts, axis=1, keepdims=True))
-            return w_ts + gl_ts * _Head(dt_c_ref, hh)[rows_t, :], ddt_th
-
-        w_ts, ddt_th = jax.lax.fori_loop(
-            0, heads, over_heads, (jnp.zeros((tile, tile), F32), ddt_th)
-        )
-        return db_tn + _dot(w_ts.astype(c_ref.dtype), c_ref[cols, :]), ddt_th
-
-    n = b_t.shape[1]
-    init = (jnp.zeros((tile, n), F32), jnp.zeros((tile, heads), F32))
-    db_tn, ddt_th = jax.lax.fori_loop(i, k // tile, over_targets, init)
-
-    def state_terms(hh, db_tn):
-        x_t = _head(x_ref, hh, seq_major)[rows_t, :]
-        x_dh_tn = _dot(x_t, _Head(dh_ref, hh)[...].astype(x_t.dtype))
-        _Head(v_ref, hh)[...] = jnp.sum(x_dh_tn * b_t.astype(F32), axis=1, keepdims=True)
-        _Head(ddt_ref, hh)[...] = _column_of(ddt_th, hh)
-        w_t = _Head(dt_c_ref, hh)[rows_t, :] * _Head(wst_ref, hh)[rows_t, :]
-        return db_tn + w_t * x_dh_tn
-
-    db_ref[...] = jax.lax.fori_loop(0, heads, state_terms, db_tn)
-
-
-def _grad_target_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cb_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref,
-    wout_ref, h_ref, dc_ref, rowsum_ref, u_ref, *, tile, seq_major,
-):  # fmt: skip
-    """For target tile i (rows s) and a block of heads of one group, over sources t <= s in
-    [s, t] orientation: dC summed over the block's heads, per head rowsum_t(G.L.CB.dt) and
-    u_s = dy_s . (H_in C_s). Heads are the inner loop, as in the dB kernel."""
-    i = pl.program_id(3)
-    heads = cs_c_ref.shape[0]
-    rows_s = pl.ds(pl.multiple_of(i * tile, tile), tile)
-    c_s, seq_s = c_ref[rows_s, :], seq_c_ref[rows_s, :]
-    pos_s = _positions(i * tile, tile, as_row=False)
-
-    def over_sources(j, carry):
-        dc_sn, rowsum_sh = carry
-        start = pl.multiple_of(j * tile, tile)
-        cols = pl.ds(start, tile)
-        keep = _causal_keep(seq_s, seq_r_ref[:, cols], pos_s, _positions(start, tile, True))
-        cb_st = cb_ref[rows_s, cols]
-
-        def over_heads(hh, inner):
-            w_st, rowsum_sh = inner
-            dy_s = _head(dy_ref, hh, seq_major)[rows_s, :]
-            x_t = _head(x_ref, hh, seq_major)[cols, :]
-            decay_st = _masked_exp(
-                keep, _Head(cs_c_ref, hh)[rows_s, :] - _Head(cs_r_ref, hh)[:, cols]
-            )
-            q_st = _dot(dy_s, x_t, trans_b=True) * decay_st * _Head(dt_r_ref, hh)[:, cols]
-            rowsum_sh = _add_to_column(rowsum_sh, hh, jnp.sum(q_st * cb_st, axis=1, keepdims=True))
-            return w_st + q_st, rowsum_sh
-
-        w_st, rowsum_sh = jax.lax.fori_loop(
-            0, heads, over_heads, (jnp.zeros((tile, tile), F32), rowsum_sh)
-        )
-        return dc_sn + _dot(w_st.astype(b_ref.dtype), b_ref[cols, :]), rowsum_sh
-
-    init = (jnp.zeros((tile, c_s.shape[1]), F32), jnp.zeros((tile, heads), F32))
-    dc_sn, rowsum_sh = jax.lax.fori_loop(0, i + 1, over_sources, init)
-
-    def state_terms(hh, dc_sn):
-        dy_s = _head(dy_ref, hh, seq_major)[rows_s, :]
-        dy_h_sn = _dot(dy_s, _Head(h_ref, hh)[...].astype(dy_s.dtype))
-        _Head(rowsum_ref, hh)[...] = _column_of(rowsum_sh, hh)
-        _Head(u_ref, hh)[...] = jnp.sum(dy_h_sn * c_s.astype(F32), axis=1, keepdims=True)
-        return dc_sn + _Head(wout_ref, hh)[rows_s, :] * dy_h_sn
-
-    dc_ref[...] = jax.lax.fori_loop(0, heads, state_terms, dc_sn)
 
 
 # ---------------------------------------------------------------- layout and launch
@@ -616,7 +423,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     cbt = prep.scores(transposed=True)
     one = prep.dx_layout
     dx = _call(
-        _grad_dx_kernel,
+        grad_dx_kernel,
         one,
         (b, h, c, k // one.tile),
         [
@@ -639,7 +446,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         num_stages=prep.sizes.num_stages_bwd,
     )(dy_l, prep.B, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out, prep.D[:, None, None])
     db_blocks, ddt_intra, v = _call(
-        _grad_db_kernel,
+        grad_db_kernel,
         lay,
         grid,
         common + [lay.column(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(pp, nn)],
@@ -650,7 +457,7 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         num_stages=prep.sizes.num_stages_bwd,
     )(prep.x, dy_l, prep.B, prep.C, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out)
     dc_blocks, rowsum, u = _call(
-        _grad_target_kernel,
+        grad_target_kernel,
         lay,
         grid,
         common + [lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(pp, nn)],
