@@ -4,9 +4,11 @@ XLA cannot partition a kernel's custom call, so under train.py's ("data", "seq",
 with Auto axes the ops' impl="auto" falls back to the pure-JAX paths (GSPMD partitions those).
 `per_device` instead runs the op inside `jax.shard_map`, with every argument split by its logical
 axis names (the rules of hax_jax.sharding, so the specs agree with the activations' constraints):
-batch over "data", channels / heads over "tensor". The recurrences and the attention run over
-the whole sequence, so with a "seq" axis larger than one the op is called as before (pure JAX,
-partitioned by XLA).
+batch over "data", channels / heads over "tensor"; an axis its mesh axis does not divide stays
+whole (every device computes all of it, so the result is unchanged). The recurrences and the
+attention run over the whole sequence, so with a "seq" axis larger than one the op is called as
+before: impl="auto" takes the pure-JAX paths, which XLA partitions (an explicit impl="pallas"
+runs the unsplit kernel).
 """
 
 from collections.abc import Callable, Sequence
@@ -15,20 +17,23 @@ import jax
 from jax.sharding import AxisType, PartitionSpec
 
 from hax_jax.sharding import current_mesh, logical_to_spec
+from pallas_kernels import backend
 
 Names = Sequence[str | None] | None  # one logical name per axis of an argument; None: no argument
 
 
 def kernel_mesh(impl: str) -> jax.sharding.AbstractMesh | None:
     """The mesh to shard_map an op over: the current mesh when `impl` runs Pallas kernels
-    ("pallas", or "auto" on a GPU), it has several devices, its axes are Auto (not already
-    inside shard_map) and its "seq" axis has size one; else None (call the op as it is)."""
+    ("pallas", or "auto" where `backend.kernels_by_default()`: a GPU), it has several devices,
+    its axes are Auto (not already inside shard_map) and its "seq" axis has size one; else None
+    (call the op as it is). Inside shard_map "auto" takes the kernels (`auto_picks_pallas`), or
+    the op's pure-JAX path per device where the kernels do not take its arguments."""
     mesh = current_mesh()
     if mesh is None or mesh.size == 1 or dict(mesh.shape).get("seq", 1) > 1:
         return None
     if any(kind != AxisType.Auto for kind in mesh.axis_types):
         return None
-    if impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu"):
+    if impl == "pallas" or (impl == "auto" and backend.kernels_by_default()):
         return mesh
     return None
 
@@ -68,9 +73,12 @@ def per_device(
 
 def ssd_head_and_group_names(heads: int, groups: int) -> tuple[str | None, str | None]:
     """Logical names of the SSD's head and group axes for `per_device`: a device's heads must
-    read their own groups. Groups split with the heads when the tensor size divides them; one
-    group is replicated; otherwise (a device's heads would straddle groups) nothing is split
-    over "tensor"."""
+    read their own groups. Head hh reads group hh // (heads // groups); on a shard of h' heads
+    and g' groups the kernel maps local head i to local group i // (h' // g'). Groups split with
+    the heads when the tensor size T divides them (device t holds heads t*h' ... and exactly
+    their groups t*g' ...); one group is replicated (every head reads it). Otherwise (e.g. 12
+    heads in 3 groups over T = 2: a device's 6 heads straddle groups of 4; or 2 groups over
+    T = 4: a replicated pair of groups would be misread) nothing is split over "tensor"."""
     mesh = current_mesh()
     tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
     if tensor == 1 or heads % tensor:

@@ -20,14 +20,20 @@ def default_variant():
     return "tpu" if jax.default_backend() == "tpu" else "gpu"
 
 
+def kernels_by_default():
+    """Whether impl="auto" prefers the Pallas kernels on this backend: on a GPU (where they were
+    measured faster than the pure-JAX paths, BENCHMARKS.md). TPU keeps the pure-JAX paths until
+    the Mosaic variants are measured on a TPU."""
+    return jax.default_backend() == "gpu"
+
+
 def auto_picks_pallas():
-    """Whether impl="auto" takes the Pallas kernels: on a GPU (where they were measured faster
-    than the pure-JAX paths, BENCHMARKS.md), and not under a multi-device mesh with
-    automatically partitioned axes (XLA cannot split a kernel's custom call; GSPMD partitions
-    the pure-JAX path instead). Inside shard_map (manual axes) each device runs its kernel:
-    hax_jax's layers call the ops that way under a mesh (hax_jax/kernel_sharding.py).
-    TPU keeps the pure-JAX paths until the Mosaic variants are measured on a TPU."""
-    if jax.default_backend() != "gpu":
+    """Whether impl="auto" takes the Pallas kernels here: `kernels_by_default()`, and not under
+    a multi-device mesh with automatically partitioned axes (XLA cannot split a kernel's custom
+    call; GSPMD partitions the pure-JAX path instead). Inside shard_map (manual axes) each
+    device runs its kernel: hax_jax's layers call the ops that way under a mesh whose "seq"
+    axis is 1 (hax_jax/kernel_sharding.py)."""
+    if not kernels_by_default():
         return False
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
@@ -74,5 +80,6 @@ __all__ = [
     "compiler_params",
     "default_variant",
     "interpret_for",
+    "kernels_by_default",
     "lower_for",
 ]

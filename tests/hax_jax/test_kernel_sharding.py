@@ -1,7 +1,8 @@
 """Pallas kernels under a multi-device mesh run per device in shard_map: same values and gradients
 as on one device; with a split sequence axis the layers keep the pure-JAX paths.
 
-The kernels run in Pallas interpret mode on the 8 simulated CPU devices of tests/conftest.py.
+The kernels run in Pallas interpret mode on the 8 simulated CPU devices of tests/conftest.py;
+impl="auto" is checked on traces with `jax.default_backend` patched to "gpu" (nothing compiled).
 """
 
 import jax
@@ -21,20 +22,18 @@ RTOL = 1e-5  # fp32: max |sharded - single| / max |single|, per array
 CPUS = jax.devices("cpu")
 
 
-def _mixer(kind: str, ngroups: int = 1):
-    """A small mixer with the HAX branch, every op on its Pallas kernels (interpreted on CPU)."""
-    cfg = ModelConfig(
+def _config(kind: str, *, ngroups: int = 1, impl: str = "pallas", hax: bool = True):
+    """A small Mamba or Mamba-2 mixer's config, with the HAX sparse-attention branch when `hax`,
+    every op on `impl` (the Pallas kernels are interpreted on CPU)."""
+    return ModelConfig(
         d_model=32,
         n_layer=1,
         vocab_size=40,
         block_pattern=(kind,),
-        mamba=MambaConfig(d_state=8, scan_impl="pallas"),
-        mamba2=Mamba2Config(
-            d_state=16, headdim=16, chunk_size=16, ngroups=ngroups, ssd_impl="pallas"
-        ),
-        sparse=SparseConfig(pattern="lsh+ks", num_keys=8, hash_bits=3, impl="pallas"),
+        mamba=MambaConfig(d_state=8, scan_impl=impl),
+        mamba2=Mamba2Config(d_state=16, headdim=16, chunk_size=16, ngroups=ngroups, ssd_impl=impl),
+        sparse=SparseConfig(pattern="lsh+ks" if hax else "", num_keys=8, hash_bits=3, impl=impl),
     )
-    return perturbed(MIXERS[kind](cfg, rngs=nnx.Rngs(0)), seed=7, scale=0.2)
 
 
 def _loss_and_grads(mixer, u):
@@ -58,6 +57,7 @@ def _jaxpr(mixer, u) -> str:
 
 
 def _assert_close(actual, desired, what):
+    """Every leaf of `actual` within RTOL of the same leaf of `desired`, relative to its scale."""
     for path, a, d in zip(
         jax.tree_util.tree_leaves_with_path(actual),
         jax.tree.leaves(actual),
@@ -68,29 +68,28 @@ def _assert_close(actual, desired, what):
         assert err <= RTOL, f"{what} {jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("kind, ngroups", [("mamba2", 1), ("mamba2", 2), ("mamba", 1)])
-def test_sharded_kernels_match_one_device(kind, ngroups):
-    """data = 2 x tensor = 2: batch rows and heads / channels split, B and C of one group
-    replicated, two groups split with their heads; values and every gradient as on one device."""
-    mixer, u = _mixer(kind, ngroups), random_inputs(b=2, l=32, d=32)
+@pytest.mark.parametrize(
+    "kind, ngroups, batch, hax",
+    [("mamba2", 1, 2, True), ("mamba2", 2, 1, False), ("mamba", 1, 2, False)],
+)
+def test_sharded_kernels_match_one_device(kind, ngroups, batch, hax):
+    """data = 2 x tensor = 2, values and every gradient as on one device: batch rows split (a
+    batch of 1 stays whole on every device), Mamba-2's 4 heads split with B and C of one group
+    replicated or two groups split with their heads, Mamba's 64 channels split, and HAX's
+    sparse attention split by batch rows and its 64 value channels (its own shard_map)."""
+    cfg = _config(kind, ngroups=ngroups, hax=hax)
+    mixer = perturbed(MIXERS[kind](cfg, rngs=nnx.Rngs(0)), seed=7, scale=0.2)
+    u = random_inputs(b=batch, l=32, d=32)
     y_ref, dp_ref, du_ref = _loss_and_grads(mixer, u)
     mesh = sharding.make_mesh(MeshConfig(data=2, seq=1, tensor=2), CPUS)
     with jax.set_mesh(mesh):
         y, dp, du = _loss_and_grads(mixer, u)
         jaxpr = _jaxpr(mixer, u)
-    assert jaxpr.count("shard_map") >= 2, "the kernels did not run inside shard_map"
+    assert jaxpr.count("shard_map") >= 1 + hax, "the kernels did not run inside shard_map"
+    assert "pallas_call" in jaxpr
     _assert_close(y, y_ref, "y")
     _assert_close(du, du_ref, "du")
     _assert_close(nnx.to_pure_dict(dp), nnx.to_pure_dict(dp_ref), "grad")
-
-
-def test_split_sequence_keeps_the_pure_jax_paths():
-    """A "seq" axis of 2 cannot split a recurrence: no shard_map, GSPMD partitions the op."""
-    mixer, u = _mixer("mamba2"), random_inputs(b=2, l=32, d=32)
-    mesh = sharding.make_mesh(MeshConfig(data=2, seq=2, tensor=2), CPUS)
-    with jax.set_mesh(mesh):
-        jaxpr = _jaxpr(mixer, u)
-    assert "shard_map" not in jaxpr
 
 
 @pytest.mark.parametrize(
@@ -107,6 +106,48 @@ def test_ssd_head_and_group_names(heads, groups, tensor, expected):
     mesh = sharding.make_mesh(MeshConfig(data=1, seq=1, tensor=tensor), CPUS)
     with jax.set_mesh(mesh):
         assert ssd_head_and_group_names(heads, groups) == expected
+
+
+@pytest.fixture
+def traced_on(monkeypatch):
+    """Makes impl="auto" decide as on the named backend (for tracing only); jit caches are
+    cleared before and after, so no trace made for the other backend is reused."""
+
+    def use(platform: str):
+        jax.clear_caches()
+        monkeypatch.setattr(jax, "default_backend", lambda: platform)
+
+    yield use
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "mamba"])
+@pytest.mark.parametrize(
+    "platform, mesh, kernels, mapped",
+    [
+        ("cpu", (2, 1, 2), False, False),  # off-GPU: the pure-JAX paths, partitioned by XLA
+        ("gpu", None, True, False),  # no mesh: the kernels as they are
+        ("gpu", (2, 1, 2), True, True),  # data x tensor: the kernels per device
+        ("gpu", (2, 2, 2), False, False),  # a split sequence: the pure-JAX paths, as before
+    ],
+)
+def test_auto_runs_the_kernels_per_device_unless_seq_is_split(
+    traced_on, kind, platform, mesh, kernels, mapped
+):
+    """impl="auto" (a HAX mixer, abstract: traced only): shard_map around the kernels on a GPU
+    under a data x tensor mesh; a "seq" axis of 2 cannot split a recurrence, so there neither
+    shard_map nor a kernel is traced."""
+    mixer = nnx.eval_shape(lambda: MIXERS[kind](_config(kind, impl="auto"), rngs=nnx.Rngs(0)))
+    u = jax.ShapeDtypeStruct((2, 32, 32), jnp.float32)
+    traced_on(platform)
+    if mesh is None:
+        jaxpr = _jaxpr(mixer, u)
+    else:
+        data, seq, tensor = mesh
+        with jax.set_mesh(sharding.make_mesh(MeshConfig(data=data, seq=seq, tensor=tensor), CPUS)):
+            jaxpr = _jaxpr(mixer, u)
+    assert ("pallas_call" in jaxpr) == kernels
+    assert ("shard_map" in jaxpr) == mapped
 
 
 @pytest.mark.gpu
