@@ -7,11 +7,12 @@ Forward (Dao & Gu, arXiv:2405.21060 §6): with cs the within-chunk cumulative lo
 with L[s,t] = exp(cs_s - cs_t), w_out[s] = exp(cs_s), w_state[t] = exp(cs_K - cs_t) and
 decay_c = exp(cs_K), each zeroed where seq_idx says the positions belong to different
 documents. Backward: chunk_state again (on dy, C, w_out) for the state gradient, a reverse scan
-of it, then per source tile t grad_dx (one head) and grad_db (dB and decay terms of a block of
-heads), and per target tile s grad_target (dC and decay terms of a block of heads). The dB / dC
-kernels loop over heads inside the loop over tiles: the block's (t, s) matrices are summed over
-heads before their one matmul with C_s / B_t. The per-position decay gradient is assembled in
-JAX from the kernels' row sums; ddt is never obtained by dividing by dt.
+of it, then per source tile t grad_dx (one head) and grad_bc (dB, dC and the decay terms of a
+block of heads). grad_bc loops over heads inside the loop over target tiles s: per head the
+one product x_t . dy_s serves dB, dC and both decay row sums, and the heads' dt G L matrices are
+summed before the two matmuls with C_s and B_t; dC and the target-side row sums leave it as
+per-source-tile partials that JAX sums. The per-position decay gradient is assembled in JAX from
+the kernels' row sums; ddt is never obtained by dividing by dt.
 
 C_s . B_t of every pair in a chunk is one batched matmul in XLA, shared by the heads of a
 group and stored in the matmul dtype (the kernels round C.B L to it before their matmuls
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from .grad_kernels import grad_db_kernel, grad_dx_kernel, grad_target_kernel
+from .grad_kernels import grad_bc_kernel, grad_dx_kernel
 from .reference import run_ids
 from .tiles import F32, Head, causal_keep, dot, head, masked_exp, positions
 
@@ -155,6 +156,23 @@ class _Layout:
         """Per-position (b, h, c, 1, k) vectors, whole chunk."""
         return pl.BlockSpec((None, self.hb, None, 1, self.k), lambda b, hb, c, *i: (b, hb, c, 0, 0))
 
+    def score_rows(self):
+        """Rows of tile i of a (b, c, h / hb, k, k) per-head-block score gradient."""
+        return pl.BlockSpec(
+            (None, None, None, self.tile, self.k), lambda b, hb, c, i: (b, c, hb, i, 0)
+        )
+
+    def row_partial(self):
+        """Per source tile i, (b, h, c, k / tile, 1, k) per-position partial rows."""
+        return pl.BlockSpec(
+            (None, self.hb, None, None, 1, self.k), lambda b, hb, c, i: (b, hb, c, i, 0, 0)
+        )
+
+    def per_tile_scalar(self):
+        """One (1, 1) value per program of a (b, h, c, k / tile, 1, 1) array (one head per
+        program)."""
+        return pl.BlockSpec((None, None, None, None, 1, 1), lambda b, hb, c, i: (b, hb, c, i, 0, 0))
+
     def column_tile(self):
         """Tile i of per-position columns (outputs)."""
         return pl.BlockSpec(
@@ -264,6 +282,18 @@ class Prepared:
             cb = jnp.einsum(f"bgcsn,bgctn->{out}", C, B, preferred_element_type=F32)
         return cb.astype(self.mm_dtype)
 
+    def score_grads(self, dcb):
+        """(dB, dC) (b, l', g, n') fp32 through the scores C_s . B_t given their gradient
+        dcb (b, c, g, k, k) indexed [t, s]: dB_t = sum_s dcb[t, s] C_s, dC_s = sum_t dcb[t, s] B_t
+        (batched matmuls, fp32 accumulation)."""
+        b, _, _, _, g, _ = self.shape
+        c, k = self.c, self.k
+        seq = self.layout.from_seq_major
+        B, C = (seq(v).reshape(b, c, k, g, self.n_pad) for v in (self.B, self.C))
+        db = jnp.einsum("bcgts,bcsgn->bctgn", dcb, C, preferred_element_type=F32)
+        dc = jnp.einsum("bcgts,bctgn->bcsgn", dcb, B, preferred_element_type=F32)
+        return (v.reshape(b, c * k, g, self.n_pad) for v in (db, dc))
+
     def vectors(self, *arrays):
         """(b, h, c, k) fp32 arrays as (b, h, c, k, 1) columns / (b, h, c, 1, k) rows."""
         return [a[..., None] for a in arrays] + [a[..., None, :] for a in arrays]
@@ -292,22 +322,36 @@ def chunk_states(prep, x, w_bhck, B, *, interpret=None):
     )(x, w_bhck[..., None], B)
 
 
-def _pass_kernel(s_ref, decay_ref, h0_ref, out_ref, last_ref, *, reverse):
-    """One (b, h): out[c] = the carry entering chunk c, carry = decay[c] * carry + s[c], over
-    the chunks in order (or in reverse); last = the carry after all of them."""
+def _pass_kernel(s_ref, decay_ref, h0_ref, *refs, reverse):
+    """One (b, h, block of p rows): out[c] = the carry entering chunk c, carry = decay[c] *
+    carry + s[c], over the chunks in order (or in reverse); last = the carry after all of them.
+    With an `other` input (reverse: the forward's H_in), also dots[c] = sum(out[c] * other[c])
+    over the block."""
+    other_ref, out_ref, last_ref, dots_ref = refs if len(refs) == 4 else (None, *refs, None)
     num = s_ref.shape[0]
 
     def body(j, carry_pn):
         ci = num - 1 - j if reverse else j
-        out_ref[ci] = carry_pn
+        out_ref[ci] = carry_pn.astype(out_ref.dtype)
+        if other_ref is not None:
+            dots_ref[ci] = jnp.sum(carry_pn * other_ref[ci].astype(F32))
         return decay_ref[ci] * carry_pn + s_ref[ci]
 
     last_ref[...] = jax.lax.fori_loop(0, num, body, h0_ref[...])
 
 
-def _pass(prep, s_bchpn, h0_bhpn, *, reverse, interpret=None):
-    """(carries (b, c, h, p', n'), last carry) of the linear recurrence over chunks: a Pallas
-    kernel on gpu (one program per (b, h), the carry in registers), a lax.scan on tpu."""
+def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
+    """(carries (b, c, h, p', n') of the linear recurrence over chunks, last carry, and with
+    `other` (b, c, h, p', n') the per-chunk sums of carries * other (b, h, c), else None).
+
+    The carry runs in fp32; the carries are stored in the matmul dtype, which is all their
+    readers use (they feed the kernels' matmuls; mamba_ssm keeps passed states in the inputs'
+    dtype too): bf16 inputs halve this largest traffic of the state path. The last carry (the
+    final state) stays fp32.
+
+    gpu: a Pallas kernel, one program per (b, h, block of 16 rows of p) with the carry in
+    registers (splitting p: b h programs alone are too few to hide the loads' latency); tpu:
+    a lax.scan."""
     if not prep.layout.gpu:
 
         def step(carry_bhpn, inputs):
@@ -316,32 +360,52 @@ def _pass(prep, s_bchpn, h0_bhpn, *, reverse, interpret=None):
 
         xs = (jnp.moveaxis(prep.decay, 2, 0), jnp.moveaxis(s_bchpn, 1, 0))
         last, out_cbhpn = jax.lax.scan(step, h0_bhpn, xs, reverse=reverse)
-        return jnp.moveaxis(out_cbhpn, 0, 1), last
+        out = jnp.moveaxis(out_cbhpn, 0, 1)
+        dots = None
+        if other is not None:
+            dots = jnp.einsum("bchpn,bchpn->bhc", out, other.astype(F32))
+        return out.astype(prep.mm_dtype), last, dots
     b, c, h, p, n = s_bchpn.shape
-    state = pl.BlockSpec((None, None, p, n), lambda bi, hi: (bi, hi, 0, 0))
-    chunks = pl.BlockSpec((None, c, None, p, n), lambda bi, hi: (bi, 0, hi, 0, 0))
-    return pl.pallas_call(
+    bp = min(p, 16)
+    grid = (b, h, p // bp)
+    state = pl.BlockSpec((None, None, bp, n), lambda bi, hi, pi: (bi, hi, pi, 0))
+    chunks = pl.BlockSpec((None, c, None, bp, n), lambda bi, hi, pi: (bi, 0, hi, pi, 0))
+    per_chunk = pl.BlockSpec((None, None, c), lambda bi, hi, pi: (bi, hi, 0))
+    in_specs = [chunks, per_chunk, state]
+    out_specs = [chunks, state]
+    out_shape = [
+        jax.ShapeDtypeStruct(s_bchpn.shape, prep.mm_dtype),
+        jax.ShapeDtypeStruct(h0_bhpn.shape, F32),
+    ]
+    args = [s_bchpn, prep.decay, h0_bhpn]
+    if other is not None:
+        in_specs.append(chunks)
+        args.append(other)
+        out_specs.append(pl.BlockSpec((None, None, None, c), lambda bi, hi, pi: (bi, hi, pi, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, h, p // bp, c), F32))
+    outs = pl.pallas_call(
         functools.partial(_pass_kernel, reverse=reverse),
-        grid=(b, h),
-        in_specs=[chunks, pl.BlockSpec((None, None, c), lambda bi, hi: (bi, hi, 0)), state],
-        out_specs=[chunks, state],
-        out_shape=[
-            jax.ShapeDtypeStruct(s_bchpn.shape, F32),
-            jax.ShapeDtypeStruct(h0_bhpn.shape, F32),
-        ],
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
         interpret=interpret_for("gpu", interpret),
-    )(s_bchpn, prep.decay, h0_bhpn)
+    )(*args)
+    dots = None if other is None else outs[2].sum(axis=2)
+    return outs[0], outs[1], dots
 
 
 def pass_states(prep, S_bchpn, h0_bhpn, interpret=None):
-    """(H_in (b, c, h, p', n') entering each chunk, final state)."""
-    return _pass(prep, S_bchpn, h0_bhpn, reverse=False, interpret=interpret)
+    """(H_in (b, c, h, p', n') entering each chunk in the matmul dtype, final state fp32)."""
+    h_in, final, _ = _pass(prep, S_bchpn, h0_bhpn, reverse=False, interpret=interpret)
+    return h_in, final
 
 
-def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, interpret=None):
-    """Reverse: (dH_out (b, c, h, p', n') leaving each chunk, d initial state)."""
-    return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, interpret=interpret)
+def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, h_in, interpret=None):
+    """Reverse: (dH_out (b, c, h, p', n') leaving each chunk, d initial state, and the
+    per-chunk sums of dH_out * H_in (b, h, c): the decay's gradient through the carry)."""
+    return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, other=h_in, interpret=interpret)
 
 
 def pad_state(prep, state_bhpn):
@@ -406,28 +470,28 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
 
     # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
     dS = chunk_states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
-    dh_out, dh0 = pass_state_grads(prep, dS, pad_state(prep, dfinal), interpret)
+    dh_out, dh0, carry_dots = pass_state_grads(prep, dS, pad_state(prep, dfinal), h_in, interpret)
 
-    cs_c, dt_c, wout_c, wst_c, cs_r, dt_r, _, _ = prep.vectors(
+    cs_c, dt_c, wout_c, wst_c, cs_r, _, _, _ = prep.vectors(
         prep.cs, prep.dt, prep.w_out, prep.w_state
     )
     seq_c, seq_r = prep.seq[..., None], prep.seq[:, :, None]
     lay = prep.grad_layout
     blocks = h // lay.hb
     grid = (b, blocks, c, k // lay.tile)
-    common = [lay.chunk(pp), lay.chunk(pp), lay.group_chunk(nn), lay.group_chunk(nn),
-              lay.scores(), lay.column(), lay.row()]  # fmt: skip
     col_out = jax.ShapeDtypeStruct((b, h, c, k, 1), F32)
     sum_shape = (b, c * k, blocks, nn) if lay.gpu else (b, blocks, c * k, nn)
     sum_out = jax.ShapeDtypeStruct(sum_shape, F32)
     cbt = prep.scores(transposed=True)
     one = prep.dx_layout
-    dx = _call(
+    tiles = k // lay.tile
+    dx, dd_part = _call(
         grad_dx_kernel,
         one,
         (b, h, c, k // one.tile),
         [
             one.chunk(pp),
+            one.tile_of(pp),
             one.group_chunk(nn),
             one.scores(),
             one.column(),
@@ -439,41 +503,48 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
             one.state(pp, nn),
             one.scalar(),
         ],
-        one.tile_of(pp),
-        jax.ShapeDtypeStruct(prep.x.shape, x.dtype),
+        [one.tile_of(pp), one.per_tile_scalar()],
+        [
+            jax.ShapeDtypeStruct(prep.x.shape, x.dtype),
+            jax.ShapeDtypeStruct((b, h, c, k // one.tile, 1, 1), F32),
+        ],
         interpret=interpret,
         num_warps=prep.sizes.num_warps_bwd,
         num_stages=prep.sizes.num_stages_bwd,
-    )(dy_l, prep.B, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out, prep.D[:, None, None])
-    db_blocks, ddt_intra, v = _call(
-        grad_db_kernel,
+    )(
+        dy_l, prep.x, prep.B, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
+        prep.D[:, None, None],
+    )  # fmt: skip
+    dcb_shape = (b, c, blocks, k, k)
+    dcb, ddt_intra, v, db_state, dc_state, rowsum_part, u = _call(
+        grad_bc_kernel,
         lay,
         grid,
-        common + [lay.column(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(pp, nn)],
-        [lay.tile_of(nn, heads=False), lay.column_tile(), lay.column_tile()],
-        [sum_out, col_out, col_out],
+        [lay.chunk(pp), lay.chunk(pp), lay.group_chunk(nn), lay.group_chunk(nn), lay.scores(),
+         lay.column(), lay.row(), lay.column(), lay.seq_column(), lay.seq_row(), lay.column(),
+         lay.state(pp, nn), lay.column(), lay.state(pp, nn)],  # fmt: skip
+        [lay.score_rows(), lay.column_tile(), lay.column_tile(), lay.tile_of(nn, heads=False),
+         lay.tile_of(nn, heads=False), lay.row_partial(), lay.column_tile()],  # fmt: skip
+        [jax.ShapeDtypeStruct(dcb_shape, F32), col_out, col_out, sum_out, sum_out,
+         jax.ShapeDtypeStruct((b, h, c, tiles, 1, k), F32), col_out],  # fmt: skip
         interpret=interpret,
         num_warps=prep.sizes.num_warps_bwd,
         num_stages=prep.sizes.num_stages_bwd,
-    )(prep.x, dy_l, prep.B, prep.C, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out)
-    dc_blocks, rowsum, u = _call(
-        grad_target_kernel,
-        lay,
-        grid,
-        common + [lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(pp, nn)],
-        [lay.tile_of(nn, heads=False), lay.column_tile(), lay.column_tile()],
-        [sum_out, col_out, col_out],
-        interpret=interpret,
-        num_warps=prep.sizes.num_warps_bwd,
-        num_stages=prep.sizes.num_stages_bwd,
-    )(prep.x, dy_l, prep.B, prep.C, prep.scores(), cs_c, cs_r, dt_r, seq_c, seq_r, wout_c, h_in)
+    )(
+        prep.x, dy_l, prep.B, prep.C, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out, wout_c,
+        h_in,
+    )  # fmt: skip
+    rowsum = rowsum_part.sum(axis=3)[..., 0, :]  # over source tiles
+    # dCB summed over the head blocks of each group, then the intra-chunk dB and dC.
+    dcb = dcb.reshape(b, c, g, blocks // g, k, k).sum(axis=3).astype(prep.mm_dtype)
+    db_intra, dc_intra = prep.score_grads(dcb)
 
     # Decay gradient per position (see the module docstring for the terms), then a reverse
     # cumsum within each chunk gives d(dt * A).
-    ddt_intra, v, rowsum, u = (arr[..., 0] for arr in (ddt_intra, v, rowsum, u))
+    ddt_intra, v, u = (arr[..., 0] for arr in (ddt_intra, v, u))
     state_term = prep.w_state * prep.dt * v
     dcs = rowsum - prep.dt * ddt_intra + prep.w_out * u - state_term
-    carry = prep.decay * jnp.einsum("bchpn,bchpn->bhc", dh_out, h_in)
+    carry = prep.decay * carry_dots
     dcs = dcs.at[..., -1].add(jnp.sum(state_term, axis=-1) + carry)
     da = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1)
     ddt = ddt_intra + prep.w_state * v + da * prep.A[:, None, None]
@@ -485,7 +556,10 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         arr = lay.from_seq_major(arr)[:, :l, :, :n]
         return arr.reshape(b, l, g, blocks // g, n).sum(axis=3)
 
+    db = group_sum(db_state) + db_intra[:, :l, :, :n]
+    dc = group_sum(dc_state) + dc_intra[:, :l, :, :n]
+
     dx = prep.crop(lay.from_seq_major(dx), p)
-    dD = jnp.einsum("blhp,blhp->h", dy.astype(F32), x.astype(F32))
+    dD = dd_part.sum(axis=(0, 2, 3, 4, 5))
     dh0 = dh0[:, :, :p, :n]
-    return dx, ddt, dA, group_sum(db_blocks), group_sum(dc_blocks), dD, dh0
+    return dx, ddt, dA, db, dc, dD, dh0
