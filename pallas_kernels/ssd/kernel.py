@@ -1,4 +1,4 @@
-"""Mamba-2 SSD in Pallas: the chunked algorithm as six kernels plus small scans in JAX.
+"""Mamba-2 SSD in Pallas: the chunked algorithm as five kernels plus small scans and matmuls.
 
 Forward (Dao & Gu, arXiv:2405.21060 §6): with cs the within-chunk cumulative log-decay,
     chunk_state:  S_c = sum_t w_state[t] dt[t] x_t B_t^T                       (p, n) per chunk
