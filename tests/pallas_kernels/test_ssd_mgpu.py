@@ -1,0 +1,118 @@
+"""Tests of the Mosaic GPU twins of the SSD forward's chunk_state / chunk_out (kernel_mgpu.py).
+
+They are measured against the Triton kernels (bench/ssd_mosaic_gpu.py) and not yet used by
+`ssd`. On CPU: chunk_states_mgpu runs in Mosaic GPU's interpreter against the Triton kernel
+(in Pallas interpret mode), both are lowered for "cuda" (Mosaic GPU lowers on any host with
+jax 0.10), and bad inputs raise. chunk_outputs_mgpu's interpreted run waits forever on a barrier
+in the interpreters of jax 0.10.2 and 0.11.2 (compiled it matches the Triton kernel), so it is
+tested compiled only: the gpu-marked test runs both kernels against the Triton ones.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.backend import lower_for
+from pallas_kernels.ssd import kernel as triton
+from pallas_kernels.ssd import kernel_mgpu as mgpu
+from pallas_kernels.ssd.tiling import resolve_block_sizes
+
+# Max abs error relative to the largest Triton magnitude. States: both sides multiply the same
+# bf16 values and sum in fp32. Outputs: rounded to bf16 once on each side, and the Mosaic GPU
+# kernel takes C_s . B_t in fp32 where the Triton kernel reads it rounded to bf16.
+STATE_TOL = 1e-5
+OUT_TOL = 2e-2
+
+
+def assert_scaled_close(got, want, tol, name):
+    """max |got - want| <= tol * max |want| (fp32 copies)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= tol, f"{name}: error {err:.2e} of the scale > {tol}"
+
+
+def prepared(b, l, h, g, n, chunk, seq_idx=None, seed=0, dtype=jnp.bfloat16, p=64):
+    """kernel.Prepared of random inputs like a Mamba-2 layer's (softplus'd dt, negative A)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: rng.standard_normal(s, np.float32)  # noqa: E731
+    x = jnp.asarray(normal(b, l, h, p), dtype)
+    dt = jnp.asarray(np.log1p(np.exp(normal(b, l, h) - 3.0)))
+    A = -jnp.asarray(np.exp(rng.uniform(0.0, 2.0, h)), jnp.float32)
+    B, C = (jnp.asarray(normal(b, l, g, n), dtype) for _ in range(2))
+    D = jnp.asarray(normal(h))
+    sizes = resolve_block_sizes("gpu", chunk, h // g)
+    return triton.Prepared(x, dt, A, B, C, D, seq_idx, chunk, "gpu", sizes)
+
+
+def states_both(prep, interpret):
+    """(Triton, Mosaic GPU) chunk states of prep."""
+    w = prep.w_state * prep.dt
+    return (
+        triton.chunk_states(prep, prep.x, w, prep.B, interpret=interpret),
+        mgpu.chunk_states_mgpu(prep, prep.x, w, prep.B, interpret=interpret),
+    )
+
+
+def test_chunk_states_interpreted():
+    """Mosaic GPU interpreter vs Pallas-Triton interpreter: 2 chunks, 2 heads per group."""
+    want, got = states_both(prepared(1, 256, 2, 1, 64, 128), interpret=True)
+    assert got.dtype == want.dtype
+    assert_scaled_close(got, want, STATE_TOL, "states")
+
+
+def test_lowers_for_cuda():
+    """Both kernels lower to Mosaic GPU at an issue-like shape (no GPU needed with jax 0.10)."""
+    S = jax.ShapeDtypeStruct
+    b, l, h, p, n = 2, 1024, 8, 64, 128
+    args = (S((b, l, h, p), jnp.bfloat16), S((b, l, h), jnp.float32), S((h,), jnp.float32),
+            S((b, l, 1, n), jnp.bfloat16), S((b, l, 1, n), jnp.bfloat16), S((h,), jnp.float32))  # fmt: skip
+    sizes = resolve_block_sizes("gpu", 256, h)
+
+    def forward(x, dt, A, B, C, D):
+        prep = triton.Prepared(x, dt, A, B, C, D, None, 256, "gpu", sizes)
+        S_ = mgpu.chunk_states_mgpu(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=False)
+        h_in, _ = triton.pass_states(prep, S_, triton.pad_state(prep, None), False)
+        return mgpu.chunk_outputs_mgpu(prep, h_in, interpret=False)
+
+    try:
+        text = lower_for("cuda", forward, *args)
+    except RuntimeError as err:  # jax >= 0.11 wants an abstract GPU device on a CPU host
+        if "No supported GPU devices" not in str(err):
+            raise
+        pytest.skip(f"Mosaic GPU lowering needs a GPU device here: {err}")
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dtype=jnp.float32), "bf16 or f16"),
+        (dict(p=32), "multiples of 64"),
+        (dict(chunk=64), "multiple of 128"),
+    ],
+)
+def test_rejects_unsupported(kwargs, match):
+    """fp32 (tf32 wgmma), head dims off the 64-row tile, chunks off two warpgroups: ValueError."""
+    args = dict(b=1, l=128, h=2, g=1, n=64, chunk=128) | kwargs
+    prep = prepared(**args)
+    with pytest.raises(ValueError, match=match):
+        mgpu.chunk_states_mgpu(prep, prep.x, prep.w_state * prep.dt, prep.B)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g, documents", [(1, False), (2, True)])
+def test_compiled_matches_triton(g, documents):
+    """Compiled on a Hopper GPU: both kernels against the Triton ones, 4 chunks of 256, packed
+    documents (seq_idx) in one case."""
+    b, l, h, n = 2, 1000, 8, 128
+    seq_idx = None
+    if documents:
+        seq_idx = jnp.asarray(np.repeat(np.arange(4), 250)[None].repeat(b, 0).astype(np.int32))
+    prep = prepared(b, l, h, g, n, 256, seq_idx=seq_idx)
+    want, got = states_both(prep, interpret=None)
+    assert_scaled_close(got, want, STATE_TOL, "states")
+    h_in, _ = triton.pass_states(prep, want, triton.pad_state(prep, None))
+    want_y = triton.chunk_outputs(prep, h_in)
+    assert_scaled_close(mgpu.chunk_outputs_mgpu(prep, h_in), want_y, OUT_TOL, "y")
