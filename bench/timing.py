@@ -77,10 +77,11 @@ def kernel_times_us(fn, reps=10):
 
 
 def parse_config(text):
-    """'name:key=value,key=value' -> (name, {key: int value})."""
+    """'name:key=value,key=value' -> (name, {key: value}), values ints or true / false."""
     name, _, rest = text.partition(":")
     kw = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        kw[key] = int(value)
+        bools = {"true": True, "false": False}
+        kw[key] = bools[value.lower()] if value.lower() in bools else int(value)
     return name, kw

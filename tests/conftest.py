@@ -1,5 +1,5 @@
-"""Test-wide settings: 8 simulated CPU devices, fast CPU compiles, offline HF, full-precision matmuls,
-the gpu marker."""
+"""Test-wide settings: 8 simulated CPU devices, fast CPU compiles, enough XLA CPU threads for
+Mosaic GPU's interpreter, offline HF, full-precision matmuls, the gpu marker."""
 
 import os
 
@@ -17,6 +17,9 @@ if not os.path.exists("/dev/nvidiactl") and "xla_backend_optimization_level" not
     os.environ["XLA_FLAGS"] += (
         " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     )
+# XLA's CPU client runs Mosaic GPU's interpreter callbacks on a pool sized by the CPUs (or
+# NPROC): a 2-core machine deadlocks a 3-warpgroup kernel (pallas_kernels/ssd/kernel_mgpu.py).
+os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 4)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("USE_HUB_KERNELS", "0")  # transformers must not fetch kernels from the hub

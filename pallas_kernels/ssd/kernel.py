@@ -21,7 +21,9 @@ one chunk and a block of heads at a time, tiled by `tile` rows; nothing of size
 (b, l, h, p, n) is written. Variants: "gpu" keeps
 the (b, l, h, p) layout of the caller (strided blocks are free for Triton) and passes states
 over chunks with a small kernel; "tpu" moves heads in front so every block ends in two
-whole-or-tiled dims, and passes states with a lax.scan. Letters: b batch, h head, g group,
+whole-or-tiled dims, and passes states with a lax.scan. On Hopper, chunk_state and chunk_out
+are the Mosaic GPU kernels of kernel_mgpu.py (wgmma, TMA; measured faster) when the inputs suit
+them, else the Triton ones here. Letters: b batch, h head, g group,
 c chunk, k chunk length, s / t target / source position, p head dim, n state dim.
 """
 
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
+from . import kernel_mgpu
 from .grad_kernels import grad_bc_kernel, grad_dx_kernel
 from .reference import run_ids
 from .tiles import F32, Head, causal_keep, dot, head, masked_exp, positions
@@ -445,14 +448,23 @@ def chunk_outputs(prep, h_in, *, interpret=None):
     )  # fmt: skip
 
 
+def _chunk_kernels(prep, interpret):
+    """(chunk_states, chunk_outputs): the Mosaic GPU twins where `kernel_mgpu.use_mosaic_gpu`
+    says (Hopper, measured faster), else the Triton / Mosaic TPU ones above."""
+    if kernel_mgpu.use_mosaic_gpu(prep, prep.sizes.mosaic_gpu, interpret):
+        return kernel_mgpu.chunk_states_mgpu, kernel_mgpu.chunk_outputs_mgpu
+    return chunk_states, chunk_outputs
+
+
 def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, sizes,
             interpret=None):  # fmt: skip
     """(y (b, l, h, p) in x.dtype, final state (b, h, p, n) fp32, residuals for backward);
     `sizes` are resolved BlockSizes."""
     prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
-    S = chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret)
+    states, outputs = _chunk_kernels(prep, interpret)
+    S = states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret)
     h_in, final = pass_states(prep, S, pad_state(prep, initial_state), interpret)
-    y = chunk_outputs(prep, h_in, interpret=interpret)
+    y = outputs(prep, h_in, interpret=interpret)
     _, _, _, p, _, n = prep.shape
     y = prep.crop(prep.layout.from_seq_major(y), p)
     return y, final[:, :, :p, :n], h_in
@@ -469,7 +481,8 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     dy_l = lay.seq_major(dy_pad)
 
     # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
-    dS = chunk_states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
+    states, _ = _chunk_kernels(prep, interpret)
+    dS = states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
     dh_out, dh0, carry_dots = pass_state_grads(prep, dS, pad_state(prep, dfinal), h_in, interpret)
 
     cs_c, dt_c, wout_c, wst_c, cs_r, _, _, _ = prep.vectors(

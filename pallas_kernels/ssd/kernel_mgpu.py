@@ -1,12 +1,10 @@
-"""The SSD forward's two heavy kernels, chunk_state and chunk_out, for Mosaic GPU (Hopper).
+"""The SSD's two heavy chunk kernels, chunk_state and chunk_out, for Mosaic GPU (Hopper).
 
-kernel.py writes them for Pallas Triton; these are their Mosaic GPU ("plgpu") twins, written
-to measure which backend is faster on an H100 (bench/ssd_mosaic_gpu.py, BENCHMARKS.md). They
-take the same `Prepared` inputs (the "gpu" layout) and return what `chunk_states` /
-`chunk_outputs` return, so either can stand in for the other in `kernel.forward`; `ssd` does not
-use them yet: chunk_outputs_mgpu's interpreted run (Mosaic GPU's interpreter, jax 0.10.2 and
-0.11.2) waits forever on a barrier, so CI cannot test it against its reference, only the
-gpu-marked test does (tests/pallas_kernels/test_ssd_mgpu.py).
+kernel.py writes them for Pallas Triton; these are their Mosaic GPU ("plgpu") twins. They take
+the same `Prepared` inputs (the "gpu" layout) and return what `chunk_states` / `chunk_outputs`
+return, so `kernel.forward` / `kernel.backward` take them instead on an sm_90 GPU when the inputs
+suit them (`use_mosaic_gpu`): chunk_out measured 0.66-0.78x the Triton kernel's time on an H100,
+chunk_state level (BENCHMARKS.md, bench/ssd_mosaic_gpu.py).
 
 What Mosaic GPU adds over Triton here: warpgroup matmuls (wgmma) reading swizzled shared
 memory, TMA copies issued by a dedicated memory warpgroup, and programs that loop over a block
@@ -28,9 +26,16 @@ axis, which the sequence-contracting matmuls here are not; fp32 raises ValueErro
 Lowering uses the Lane semantics (explicit tiling and swizzle transforms), set explicitly
 because the default changed between jax 0.10 (Lane) and 0.11 (Warpgroup). Letters as in
 kernel.py.
+
+On a CPU they run in Mosaic GPU's interpreter, which gives each warpgroup a thread whose
+barrier waits block one of the XLA CPU client's threads; with fewer of those than warpgroups
+plus one (chunk_out has 3 warpgroups; measured: inside a jitted caller, 3 threads hang, 4 run)
+a kernel waits forever, so the interpreted call refuses to start then (XLA sizes that pool by
+the CPUs, or by NPROC if set before jax starts; tests/conftest.py sets it).
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +51,34 @@ _MM_DTYPES = (jnp.bfloat16, jnp.float16)
 _SMEM_BYTES = 227 * 1024  # an H100's shared memory per block (opt-in maximum)
 
 
-def _interpret_params(interpret):
+def _interpret_params(interpret, num_threads):
     """The `interpret=` argument of plgpu.kernel: Mosaic GPU's interpreter on a CPU (or when
-    forced with True), else compiled."""
+    forced with True), else compiled. RuntimeError if the interpreter would deadlock."""
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda")
     if not interpret:
         return None
+    # One thread per warpgroup, plus the one running the computation that called the kernel.
+    needed, cpu_threads = num_threads + 1, _xla_cpu_threads()
+    if cpu_threads < needed:
+        raise RuntimeError(
+            f"Mosaic GPU's interpreter runs this kernel's {num_threads} warpgroups on the XLA CPU "
+            f"client's {cpu_threads} threads and would wait forever on its barriers; start the "
+            f"process with NPROC={needed} (or more) in the environment"
+        )
     params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
     if params is None:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
     return params()
+
+
+def _xla_cpu_threads():
+    """Threads of XLA's CPU client pool, which runs the interpreter's callbacks: NPROC if set
+    (read when jax starts its CPU backend), else the CPUs this process may use."""
+    nproc = os.environ.get("NPROC", "")
+    if nproc.isdigit():
+        return int(nproc)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _smem(shape, dtype):
@@ -152,21 +174,49 @@ def _heads_per_program(r, most=8):
     return max(d for d in range(1, min(r, most) + 1) if r % d == 0)
 
 
-def _check(prep, what):
-    """ValueError unless prep suits these kernels: gpu layout, 16-bit matmul inputs, p and n
-    multiples of 64, chunk a multiple of 128 (chunk_out: two 64-row warpgroups)."""
+def unsuitable(prep):
+    """Why these kernels cannot take prep (a sentence), or None: they need the gpu layout,
+    16-bit matmul inputs, p and n multiples of 64 and a chunk a multiple of 128 (chunk_out:
+    two 64-row warpgroups)."""
     if not prep.layout.gpu:
-        raise ValueError(f"{what}: Mosaic GPU kernels take the 'gpu' variant's layout")
+        return "Mosaic GPU kernels take the 'gpu' variant's layout"
     if jnp.dtype(prep.mm_dtype) not in map(jnp.dtype, _MM_DTYPES):
-        raise ValueError(
-            f"{what}: Mosaic GPU wgmma needs bf16 or f16 matmul inputs, got {prep.mm_dtype} "
+        return (
+            f"Mosaic GPU wgmma needs bf16 or f16 matmul inputs, got {prep.mm_dtype} "
             "(fp32 would run as tf32 and needs operands contiguous along the contracted axis)"
         )
     p, n, k = prep.p_pad, prep.n_pad, prep.k
     if p % ROWS or n % ROWS:
-        raise ValueError(f"{what}: headdim {p=} and d_state {n=} must be multiples of {ROWS}")
+        return f"headdim {p=} and d_state {n=} must be multiples of {ROWS}"
     if k % (2 * ROWS):
-        raise ValueError(f"{what}: chunk_size {k=} must be a multiple of {2 * ROWS}")
+        return f"chunk_size {k=} must be a multiple of {2 * ROWS}"
+    return None
+
+
+def _check(prep, what):
+    """ValueError naming what is wrong unless prep suits these kernels."""
+    reason = unsuitable(prep)
+    if reason is not None:
+        raise ValueError(f"{what}: {reason}")
+
+
+def on_hopper():
+    """Whether the default backend is a GPU of compute capability 9.x (wgmma: sm_90a)."""
+    if jax.default_backend() != "gpu":
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    return str(capability).startswith("9.")
+
+
+def use_mosaic_gpu(prep, choice, interpret):
+    """Whether kernel.py takes these kernels for chunk_state / chunk_out: `choice` (the
+    BlockSizes.mosaic_gpu knob) True forces them (ValueError if prep does not suit them), False
+    refuses them, None takes them when compiled on Hopper and prep suits them."""
+    if choice is not None:
+        if choice:
+            _check(prep, "block_sizes.mosaic_gpu=True")
+        return bool(choice)
+    return not interpret and on_hopper() and unsuitable(prep) is None
 
 
 def _compiler_params():
@@ -190,7 +240,7 @@ def chunk_states_mgpu(prep, x, w_bhck, B, *, interpret=None):
     if B.dtype != dtype:
         raise ValueError(f"chunk_states_mgpu: x and B dtypes differ: {dtype} vs {B.dtype}")
     slots = 2  # x / w buffers: the next head loads while this one computes
-    params = _interpret_params(interpret)
+    params = _interpret_params(interpret, num_threads=2)
     ops = _Ops(params is not None)
     smem = [
         _smem((k, n), dtype),  # B of the chunk's group
@@ -310,7 +360,7 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
         raise ValueError(f"chunk_outputs_mgpu: h_in must be {dtype}, got {h_in.dtype}")
     halves = k // (2 * ROWS)  # programs per chunk: 128 target rows each, 64 per warpgroup
     slots = 2
-    params = _interpret_params(interpret)
+    params = _interpret_params(interpret, num_threads=3)
     ops = _Ops(params is not None)
     smem = [
         _smem((2 * ROWS, n), dtype),  # C of this program's target rows

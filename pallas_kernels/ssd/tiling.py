@@ -1,4 +1,5 @@
-"""Tuning knobs of the Pallas SSD: rows per tile, heads per backward program, Triton warps."""
+"""Tuning knobs of the Pallas SSD: rows per tile, heads per backward program, Triton warps,
+and whether the chunk_state / chunk_out kernels are the Mosaic GPU ones."""
 
 import dataclasses
 
@@ -18,6 +19,9 @@ class BlockSizes:
     num_warps_bwd: int | None = None  # Triton warps per backward program (gpu only)
     num_stages: int | None = None  # Triton software-pipelining stages, forward (gpu only)
     num_stages_bwd: int | None = None  # the same for the backward kernels (gpu only)
+    mosaic_gpu: bool | None = None  # chunk_state / chunk_out by Mosaic GPU (kernel_mgpu.py)
+    # instead of Triton: None = on Hopper when the inputs suit them (bf16 / f16, p and n
+    # multiples of 64, chunk a multiple of 128); True forces them (interpreted on CPU)
 
 
 # gpu: (64, 64) fp32 score tiles; tpu: 128 rows (the lane width).
@@ -37,7 +41,13 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
     """`block_sizes` with the variant's defaults filled in; ValueError naming a bad field."""
     check_variant(variant)
     sizes = block_sizes or BlockSizes()
+    if not (sizes.mosaic_gpu is None or isinstance(sizes.mosaic_gpu, bool)):
+        raise ValueError(f"block_sizes.mosaic_gpu must be None or a bool, got {sizes.mosaic_gpu!r}")
+    if sizes.mosaic_gpu and variant != "gpu":
+        raise ValueError(f"block_sizes.mosaic_gpu=True needs the gpu variant, got {variant!r}")
     for name, value in dataclasses.asdict(sizes).items():
+        if name == "mosaic_gpu":
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value <= 0):  # fmt: skip
             raise ValueError(f"block_sizes.{name} must be a positive int, got {value!r}")
@@ -50,6 +60,7 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
         num_warps_bwd=sizes.num_warps_bwd or 4,
         num_stages=sizes.num_stages or 2,
         num_stages_bwd=sizes.num_stages_bwd or 2,
+        mosaic_gpu=sizes.mosaic_gpu,
     )
     for name in ("tile", "tile_bwd"):
         if chunk_size % getattr(sizes, name):

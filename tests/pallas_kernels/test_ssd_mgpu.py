@@ -1,11 +1,9 @@
-"""Tests of the Mosaic GPU twins of the SSD forward's chunk_state / chunk_out (kernel_mgpu.py).
+"""Tests of the Mosaic GPU twins of the SSD's chunk_state / chunk_out (kernel_mgpu.py).
 
-They are measured against the Triton kernels (bench/ssd_mosaic_gpu.py) and not yet used by
-`ssd`. On CPU: chunk_states_mgpu runs in Mosaic GPU's interpreter against the Triton kernel
-(in Pallas interpret mode), both are lowered for "cuda" (Mosaic GPU lowers on any host with
-jax 0.10), and bad inputs raise. chunk_outputs_mgpu's interpreted run waits forever on a barrier
-in the interpreters of jax 0.10.2 and 0.11.2 (compiled it matches the Triton kernel), so it is
-tested compiled only: the gpu-marked test runs both kernels against the Triton ones.
+On CPU both kernels run in Mosaic GPU's interpreter against the Triton kernels (in Pallas
+interpret mode), are lowered for "cuda" (Mosaic GPU lowers on any host with jax 0.10), bad
+inputs raise, and the choice between them and Triton is pinned. `ssd` end to end with them
+(values and gradients) is in test_ssd_pallas.py. The gpu-marked test runs them compiled.
 """
 
 import jax
@@ -60,6 +58,40 @@ def test_chunk_states_interpreted():
     want, got = states_both(prepared(1, 256, 2, 1, 64, 128), interpret=True)
     assert got.dtype == want.dtype
     assert_scaled_close(got, want, STATE_TOL, "states")
+
+
+def test_chunk_outputs_interpreted():
+    """Mosaic GPU interpreter vs Pallas-Triton interpreter: 2 chunks of 256 (two programs of
+    128 target rows each), 2 groups, 4 heads per group (the heads loop reuses both buffer
+    slots), a document boundary inside the second chunk."""
+    seq_idx = jnp.asarray(np.repeat([0, 1], [300, 212])[None].astype(np.int32))
+    prep = prepared(1, 512, 8, 2, 64, 256, seq_idx=seq_idx)
+    S = triton.chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=True)
+    h_in, _ = triton.pass_states(prep, S, triton.pad_state(prep, None), True)
+    want = triton.chunk_outputs(prep, h_in, interpret=True)
+    got = mgpu.chunk_outputs_mgpu(prep, h_in, interpret=True)
+    assert got.dtype == want.dtype
+    assert_scaled_close(got, want, OUT_TOL, "y")
+
+
+def test_interpreter_refuses_too_few_threads(monkeypatch):
+    """With fewer XLA CPU threads than warpgroups + 1 the interpreter would hang: it refuses."""
+    monkeypatch.setenv("NPROC", "3")
+    prep = prepared(1, 128, 2, 1, 64, 128)
+    with pytest.raises(RuntimeError, match="3 threads .* NPROC=4"):
+        mgpu.chunk_outputs_mgpu(prep, jnp.zeros((1, 1, 2, 64, 64), jnp.bfloat16), interpret=True)
+
+
+def test_choice_of_kernels():
+    """None: Mosaic GPU only compiled on Hopper (never on this CPU); True forces it and names
+    what does not suit it; False refuses it."""
+    prep = prepared(1, 128, 2, 1, 64, 128)
+    assert not mgpu.on_hopper()
+    assert not mgpu.use_mosaic_gpu(prep, None, interpret=None)
+    assert mgpu.use_mosaic_gpu(prep, True, interpret=True)
+    assert not mgpu.use_mosaic_gpu(prep, False, interpret=None)
+    with pytest.raises(ValueError, match="mosaic_gpu=True: .*bf16 or f16 .* got float32"):
+        mgpu.use_mosaic_gpu(prepared(1, 128, 2, 1, 64, 128, dtype=jnp.float32), True, None)
 
 
 def test_lowers_for_cuda():

@@ -86,6 +86,20 @@ def test_gpu_variant_interpreted(g, seq, dtype):
     assert_matches(flat(got), flat(ref), dtype)
 
 
+def test_mosaic_gpu_kernels_interpreted():
+    """block_sizes.mosaic_gpu=True: chunk_state / chunk_out by the Mosaic GPU kernels (their
+    interpreter), the rest Triton-interpreted; l = 200 pads the second chunk of 128, a document
+    boundary inside the first chunk, initial state on."""
+    inputs, cts = make_inputs(1, 200, 2, 64, 1, 64, jnp.bfloat16)
+    seq_idx = jnp.asarray(np.repeat([0, 1], [90, 110])[None].astype(np.int32))
+    ref = value_and_grads(inputs, cts, seq_idx, chunk_size=128, impl="chunked")
+    got = value_and_grads(
+        inputs, cts, seq_idx, chunk_size=128, impl="pallas", variant="gpu",
+        block_sizes=BlockSizes(mosaic_gpu=True),
+    )  # fmt: skip
+    assert_matches(flat(got), flat(ref), jnp.bfloat16)
+
+
 def test_tpu_variant_interpreted():
     """The Mosaic TPU variant under TPU interpret semantics, tiny shape."""
     inputs, cts = make_inputs(1, 13, 2, 3, 1, 4, jnp.float32)
@@ -132,20 +146,40 @@ def test_bad_inputs_are_named():
             block_sizes=BlockSizes(heads_per_block=4))  # fmt: skip
     with pytest.raises(ValueError, match="block_sizes.num_warps must be a positive int, got 0"):
         ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(num_warps=0))
+    with pytest.raises(ValueError, match="block_sizes.mosaic_gpu must be None or a bool, got 1"):
+        ssd(*pos, chunk_size=16, impl="pallas", block_sizes=BlockSizes(mosaic_gpu=1))
+    with pytest.raises(ValueError, match="mosaic_gpu=True needs the gpu variant, got 'tpu'"):
+        ssd(*pos, chunk_size=16, impl="pallas", variant="tpu",
+            block_sizes=BlockSizes(mosaic_gpu=True))  # fmt: skip
+    with pytest.raises(ValueError, match="mosaic_gpu=True: .*bf16 or f16 matmul inputs"):
+        ssd(*pos, chunk_size=128, impl="pallas", block_sizes=BlockSizes(mosaic_gpu=True))
     with pytest.raises(ValueError, match="variant must be one of .* got 'cuda'"):
         ssd(*pos, chunk_size=16, impl="pallas", variant="cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_compiled_on_gpu(dtype):
-    """The Triton kernels, compiled, at a realistic shape with packed documents."""
+@pytest.mark.parametrize(
+    "dtype, mosaic_gpu",
+    [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, False)],
+)
+def test_compiled_on_gpu(dtype, mosaic_gpu):
+    """The compiled kernels at a realistic shape with packed documents: by default (bf16 on
+    Hopper: Mosaic GPU chunk_state / chunk_out, checked in the lowered module) and with the
+    Triton ones forced."""
+    from pallas_kernels.ssd import kernel_mgpu
+
     b, l, h, p, g, n = 2, 1000, 8, 64, 2, 128
     inputs, cts = make_inputs(b, l, h, p, g, n, dtype)
     seq_idx = jnp.asarray(np.repeat(np.arange(4), 250)[None].repeat(b, 0).astype(np.int32))
+    kw = dict(chunk_size=256, impl="pallas", variant="gpu")
+    kw["block_sizes"] = BlockSizes(mosaic_gpu=mosaic_gpu)
     ref = value_and_grads(inputs, cts, seq_idx, chunk_size=256, impl="chunked")
-    got = value_and_grads(inputs, cts, seq_idx, chunk_size=256, impl="pallas", variant="gpu")
+    got = value_and_grads(inputs, cts, seq_idx, **kw)
     assert_matches(flat(got), flat(ref), dtype)
+    text = jax.jit(lambda x: ssd(x, *(inputs[k] for k in NAMES[1:5]), seq_idx=seq_idx, **kw))
+    text = text.lower(inputs["x"]).as_text()
+    expect_mgpu = kernel_mgpu.on_hopper() and dtype == jnp.bfloat16 and mosaic_gpu is None
+    assert ("mosaic_gpu" in text) == expect_mgpu
 
 
 def test_auto_picks_pallas_on_one_gpu_only(monkeypatch):
