@@ -25,6 +25,7 @@ from hax_jax.data import pipeline
 from hax_jax.layers.hax_attention import init_qk_from_bc
 from hax_jax.metrics import Metrics, ProgressBar
 from hax_jax.models.lm import LanguageModel
+from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
 DEFAULT_CONFIG = "configs/main.py"
 
@@ -258,6 +259,7 @@ def _scalar(x, kind=float):
 
 
 if __name__ == "__main__":
+    keep_custom_calls_out_of_cuda_graphs()  # before JAX starts its GPU backend
     try:
         main(sys.argv[1:])
     except (ValueError, FileNotFoundError, FloatingPointError) as err:

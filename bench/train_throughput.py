@@ -24,6 +24,7 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train
+from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
 LM = ["data.batch_size=8", "data.seq_len=2048"]
 CASES = {
@@ -145,4 +146,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    keep_custom_calls_out_of_cuda_graphs()  # as train.py does
     main()

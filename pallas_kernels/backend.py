@@ -8,6 +8,8 @@ the gpu variant (fast enough for CI shapes) and `pltpu.InterpretParams()` for th
 (TPU semantics, ~4000x slower: tiny shapes only).
 """
 
+import os
+
 import jax
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
@@ -39,6 +41,45 @@ def auto_picks_pallas():
     if mesh.empty or mesh.size == 1:
         return True
     return all(kind == jax.sharding.AxisType.Manual for kind in mesh.axis_types)
+
+
+COMMAND_BUFFER_FLAG = "xla_gpu_enable_command_buffer"
+
+
+def custom_calls_in_cuda_graphs(xla_flags=None):
+    """Whether XLA:GPU records custom calls (a Mosaic GPU kernel is one) into its command buffers
+    (CUDA graphs), as the last --xla_gpu_enable_command_buffer of `xla_flags` (default: the
+    XLA_FLAGS variable) says: absent, XLA's default set, which has CUSTOM_CALL; empty, no
+    command buffers; TYPE,TYPE the set; +TYPE / -TYPE edits of the default set."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    value = None
+    for token in flags.split():
+        name, eq, rest = token.partition("=")
+        if name.lstrip("-") == COMMAND_BUFFER_FLAG and eq:
+            value = rest
+    if value is None:
+        return True
+    types = [t.strip() for t in value.split(",") if t.strip()]
+    if not types:
+        return False
+    if not all(t[0] in "+-" for t in types):
+        return "CUSTOM_CALL" in types
+    recorded = True
+    for edit in types:
+        if edit[1:] == "CUSTOM_CALL":
+            recorded = edit[0] == "+"
+    return recorded
+
+
+def keep_custom_calls_out_of_cuda_graphs():
+    """Adds --xla_gpu_enable_command_buffer=-CUSTOM_CALL to XLA_FLAGS unless the flag is set
+    there already. For command lines, before JAX starts its GPU backend (later it has no
+    effect). Why: recorded into CUDA graphs, Mosaic GPU kernels cost host time; in the 130M
+    training steps on an H100 that time was more than they save (BENCHMARKS.md)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if any(t.partition("=")[0].lstrip("-") == COMMAND_BUFFER_FLAG for t in flags.split()):
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} --{COMMAND_BUFFER_FLAG}=-CUSTOM_CALL".strip()
 
 
 def check_variant(variant):
@@ -78,8 +119,10 @@ __all__ = [
     "auto_picks_pallas",
     "check_variant",
     "compiler_params",
+    "custom_calls_in_cuda_graphs",
     "default_variant",
     "interpret_for",
+    "keep_custom_calls_out_of_cuda_graphs",
     "kernels_by_default",
     "lower_for",
 ]

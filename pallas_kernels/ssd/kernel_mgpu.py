@@ -3,8 +3,9 @@
 kernel.py writes them for Pallas Triton; these are their Mosaic GPU ("plgpu") twins. They take
 the same `Prepared` inputs (the "gpu" layout) and return what `chunk_states` / `chunk_outputs`
 return, so `kernel.forward` / `kernel.backward` take them instead on an sm_90 GPU when the inputs
-suit them (`use_mosaic_gpu`): chunk_out measured 0.66-0.78x the Triton kernel's time on an H100,
-chunk_state level (BENCHMARKS.md, bench/ssd_mosaic_gpu.py).
+suit them and XLA runs custom calls outside its CUDA graphs (`use_mosaic_gpu`): chunk_out
+measured 0.66-0.78x the Triton kernel's time on an H100, chunk_state level (BENCHMARKS.md,
+bench/ssd_mosaic_gpu.py).
 
 What Mosaic GPU adds over Triton here: warpgroup matmuls (wgmma) reading swizzled shared
 memory, TMA copies issued by a dedicated memory warpgroup, and programs that loop over a block
@@ -43,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ..backend import custom_calls_in_cuda_graphs
 from .tiles import F32
 
 ROWS = 64  # rows of one wgmma tile (one warpgroup); also the source tile of chunk_out
@@ -211,12 +213,16 @@ def on_hopper():
 def use_mosaic_gpu(prep, choice, interpret):
     """Whether kernel.py takes these kernels for chunk_state / chunk_out: `choice` (the
     BlockSizes.mosaic_gpu knob) True forces them (ValueError if prep does not suit them), False
-    refuses them, None takes them when compiled on Hopper and prep suits them."""
+    refuses them, None takes them when compiled on Hopper, prep suits them and XLA keeps custom
+    calls out of its CUDA graphs: recorded into them, the kernels' host time outweighed their
+    gain in the 130M training steps on an H100 (BENCHMARKS.md; train.py sets the flag)."""
     if choice is not None:
         if choice:
             _check(prep, "block_sizes.mosaic_gpu=True")
         return bool(choice)
-    return not interpret and on_hopper() and unsuitable(prep) is None
+    if interpret or not on_hopper() or unsuitable(prep) is not None:
+        return False
+    return not custom_calls_in_cuda_graphs()
 
 
 def _compiler_params():
@@ -250,8 +256,8 @@ def chunk_states_mgpu(prep, x, w_bhck, B, *, interpret=None):
     ]
     _check_smem("chunk_states_mgpu", smem)
 
-    def body(x_ref, w_ref, b_ref, s_ref, b_smem, x_smem, w_smem, s_smem, b_ready, head_ready,
-             head_free):  # fmt: skip
+    def chunk_state(x_ref, w_ref, b_ref, s_ref, b_smem, x_smem, w_smem, s_smem, b_ready,
+                    head_ready, head_free):  # fmt: skip
         # inputs: x_ref (b, l', h, p), w_ref (b, h, c, k), b_ref (b, l', g, n) in GMEM
         # outputs: s_ref (b, c, h, p, n) fp32 in GMEM
         blk, ci, bi = (lax.axis_index(a) for a in ("heads", "c", "b"))
@@ -312,7 +318,7 @@ def chunk_states_mgpu(prep, x, w_bhck, B, *, interpret=None):
             plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
-        body,
+        chunk_state,  # names the kernel in profiles
         out_type=jax.ShapeDtypeStruct((b, c, h, p, n), F32),
         scratch_types=[
             *smem,
@@ -377,9 +383,9 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
     d_rep = jnp.broadcast_to(prep.D[:, None], (h, ROWS))
     vec_bhc3k = jnp.stack([prep.cs, prep.dt, prep.w_out], axis=3)
 
-    def body(x_ref, c_ref, b_ref, seq_ref, vec_ref, h_ref, d_ref, y_ref, c_smem, b_smem,
-             seq_smem, x_smem, h_smem, vec_smem, d_smem, y_smem, chunk_ready, head_ready,
-             head_free):  # fmt: skip
+    def chunk_out(x_ref, c_ref, b_ref, seq_ref, vec_ref, h_ref, d_ref, y_ref, c_smem, b_smem,
+                  seq_smem, x_smem, h_smem, vec_smem, d_smem, y_smem, chunk_ready, head_ready,
+                  head_free):  # fmt: skip
         # inputs: x_ref (b, l', h, p), c_ref / b_ref (b, l', g, n), seq_ref (b, c, k) int32,
         #   vec_ref (b, h, c, 3, k) fp32 [cs, dt, w_out], h_ref (b, c, h, p, n), d_ref (h, 64)
         # outputs: y_ref (b, l', h, p)
@@ -468,7 +474,7 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
             plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
-        body,
+        chunk_out,
         out_type=jax.ShapeDtypeStruct(prep.x.shape, out_dtype),
         scratch_types=[
             *smem,

@@ -82,12 +82,20 @@ def test_interpreter_refuses_too_few_threads(monkeypatch):
         mgpu.chunk_outputs_mgpu(prep, jnp.zeros((1, 1, 2, 64, 64), jnp.bfloat16), interpret=True)
 
 
-def test_choice_of_kernels():
-    """None: Mosaic GPU only compiled on Hopper (never on this CPU); True forces it and names
-    what does not suit it; False refuses it."""
+def test_choice_of_kernels(monkeypatch):
+    """None: Mosaic GPU only compiled on Hopper (never on this CPU) with custom calls kept out
+    of XLA's CUDA graphs; True forces it and names what does not suit it; False refuses it."""
     prep = prepared(1, 128, 2, 1, 64, 128)
     assert not mgpu.on_hopper()
     assert not mgpu.use_mosaic_gpu(prep, None, interpret=None)
+    monkeypatch.setattr(mgpu, "on_hopper", lambda: True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=-CUSTOM_CALL")
+    assert mgpu.use_mosaic_gpu(prep, None, interpret=False)
+    assert not mgpu.use_mosaic_gpu(prep, None, interpret=True)
+    fp32 = prepared(1, 128, 2, 1, 64, 128, dtype=jnp.float32)
+    assert not mgpu.use_mosaic_gpu(fp32, None, interpret=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert not mgpu.use_mosaic_gpu(prep, None, interpret=False)  # recorded into CUDA graphs
     assert mgpu.use_mosaic_gpu(prep, True, interpret=True)
     assert not mgpu.use_mosaic_gpu(prep, False, interpret=None)
     with pytest.raises(ValueError, match="mosaic_gpu=True: .*bf16 or f16 .* got float32"):
