@@ -46,20 +46,21 @@ def auto_picks_pallas():
 COMMAND_BUFFER_FLAG = "xla_gpu_enable_command_buffer"
 
 
+def _command_buffer_tokens(flags):
+    """The --xla_gpu_enable_command_buffer tokens of an XLA_FLAGS string, in order."""
+    return [t for t in flags.split() if t.partition("=")[0].lstrip("-") == COMMAND_BUFFER_FLAG]
+
+
 def custom_calls_in_cuda_graphs(xla_flags=None):
     """Whether XLA:GPU records custom calls (a Mosaic GPU kernel is one) into its command buffers
     (CUDA graphs), as the last --xla_gpu_enable_command_buffer of `xla_flags` (default: the
     XLA_FLAGS variable) says: absent, XLA's default set, which has CUSTOM_CALL; empty, no
     command buffers; TYPE,TYPE the set; +TYPE / -TYPE edits of the default set."""
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    value = None
-    for token in flags.split():
-        name, eq, rest = token.partition("=")
-        if name.lstrip("-") == COMMAND_BUFFER_FLAG and eq:
-            value = rest
-    if value is None:
+    values = [t.partition("=")[2] for t in _command_buffer_tokens(flags) if "=" in t]
+    if not values:
         return True
-    types = [t.strip() for t in value.split(",") if t.strip()]
+    types = [t.strip() for t in values[-1].split(",") if t.strip()]
     if not types:
         return False
     if not all(t[0] in "+-" for t in types):
@@ -77,7 +78,7 @@ def keep_custom_calls_out_of_cuda_graphs():
     effect). Why: recorded into CUDA graphs, Mosaic GPU kernels cost host time; in the 130M
     training steps on an H100 that time was more than they save (BENCHMARKS.md)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if any(t.partition("=")[0].lstrip("-") == COMMAND_BUFFER_FLAG for t in flags.split()):
+    if _command_buffer_tokens(flags):
         return
     os.environ["XLA_FLAGS"] = f"{flags} --{COMMAND_BUFFER_FLAG}=-CUSTOM_CALL".strip()
 

@@ -23,8 +23,9 @@ the (b, l, h, p) layout of the caller (strided blocks are free for Triton) and p
 over chunks with a small kernel; "tpu" moves heads in front so every block ends in two
 whole-or-tiled dims, and passes states with a lax.scan. On Hopper, chunk_state and chunk_out
 are the Mosaic GPU kernels of kernel_mgpu.py (wgmma, TMA; measured faster) when the inputs suit
-them and XLA keeps custom calls out of its CUDA graphs, else the Triton ones here. Letters: b batch, h head, g group,
-c chunk, k chunk length, s / t target / source position, p head dim, n state dim.
+them and XLA keeps custom calls out of its CUDA graphs, else the Triton ones here. Letters:
+b batch, h head, g group, c chunk, k chunk length, s / t target / source position, p head dim,
+n state dim.
 """
 
 import functools

@@ -179,8 +179,8 @@ def test_compiled_on_gpu(dtype, mosaic_gpu):
     assert_matches(flat(got), flat(ref), dtype)
     text = jax.jit(lambda x: ssd(x, *(inputs[k] for k in NAMES[1:5]), seq_idx=seq_idx, **kw))
     text = text.lower(inputs["x"]).as_text()
-    expect_mgpu = kernel_mgpu.on_hopper() and dtype == jnp.bfloat16 and mosaic_gpu is None
-    expect_mgpu = expect_mgpu and not custom_calls_in_cuda_graphs()
+    expect_mgpu = (kernel_mgpu.on_hopper() and dtype == jnp.bfloat16 and mosaic_gpu is None
+                   and not custom_calls_in_cuda_graphs())  # fmt: skip
     assert ("mosaic_gpu" in text) == expect_mgpu
 
 
