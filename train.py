@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hax_jax import checkpoint, optim, sharding, training
+from hax_jax import checkpoint, optim, parallel, sharding, training
 from hax_jax import config as config_lib
 from hax_jax.data import pipeline
 from hax_jax.layers.hax_attention import init_qk_from_bc
@@ -147,6 +147,10 @@ class Trainer:
         """Process-local numpy rows -> global arrays, batch over "data" and positions over "seq"."""
         rows = _model_inputs(self.cfg, rows)
         self.row_length = rows["inputs"].shape[1]
+        model = self.cfg.model
+        parallel.check_sequence_split(
+            self.row_length, self.mesh.shape["seq"], model.mixer_kinds, model.mamba2.chunk_size
+        )
         out = {}
         for name, value in rows.items():
             names = ("batch", "seq")[: value.ndim]

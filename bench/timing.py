@@ -52,9 +52,10 @@ def pipelined_ms(fn, reps, sync):
     return (time.perf_counter() - start) * 1e3 / reps
 
 
-def kernel_times_us(fn, reps=10):
+def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU"):
     """{GPU kernel name: microseconds per call of fn()} from a profiler trace of `reps` calls
-    (XLA fusions by their HLO name, Pallas kernels by their kernel function's name)."""
+    (XLA fusions by their HLO name, Pallas kernels by their kernel function's name), summed over
+    the planes whose name starts with `plane_prefix` (e.g. "/device:GPU:0" for one GPU)."""
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
@@ -66,7 +67,7 @@ def kernel_times_us(fn, reps=10):
         data = jax.profiler.ProfileData.from_file(path)
     totals = collections.Counter()
     for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
+        if not plane.name.startswith(plane_prefix):
             continue
         for line in plane.lines:
             if not line.name.startswith("Stream"):  # the per-stream kernel lines, not summaries

@@ -1,11 +1,14 @@
 """Training throughput of train.py's jitted step: steps/s and tokens/s on the current device.
 
     python bench/train_throughput.py [--cases jr_hax,lm_hax_130m] [--steps 20] [--write BENCHMARKS.md]
+        [--set mesh.data=1 mesh.seq=2 ...]
 
 Per case: train.Trainer builds the state and data exactly as `python train.py` would; one batch is fetched,
 the step is compiled and run once, then --steps steps run back to back on that batch (pure step time, data
 loading excluded), timed to the last result. `e2e` is train.py's own tokens/s (its metrics.jsonl) over a
-short real run with fresh batches every step, data generation and host transfer included.
+short real run with fresh batches every step, data generation and host transfer included. `--set`
+applies config overrides to every case (e.g. a mesh); `peak GiB` is the largest peak_bytes_in_use of
+the mesh's devices since the process started (run one case per process to read it per case).
 """
 
 import argparse
@@ -24,6 +27,7 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train
+from bench import timing
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
 LM = ["data.batch_size=8", "data.seq_len=2048"]
@@ -34,6 +38,11 @@ CASES = {
     "lm_mamba2_130m": ["configs/hax_130m.py", "model.sparse.pattern=", *LM],
     "lm_hax_mamba2_130m": ["configs/hax_130m.py", *LM],
     "lm_mamba2_130m_b1": ["configs/hax_130m.py", "model.sparse.pattern=", *LM, "data.batch_size=1"],
+    # Long rows, one per step (sequence parallelism: add --set mesh.data=1 mesh.seq=2).
+    "lm_mamba2_130m_32k": [
+        "configs/hax_130m.py", "model.sparse.pattern=", "data.batch_size=1", "data.seq_len=32768"
+    ],
+    "lm_hax_mamba2_130m_64k": ["configs/hax_130m.py", "data.batch_size=1", "data.seq_len=65536"],
     # The same models on the pure-JAX paths (impl="auto" takes the Pallas kernels on a GPU).
     "lm_mamba2_130m_purejax": [
         "configs/hax_130m.py",
@@ -50,20 +59,24 @@ CASES = {
 }
 
 
-def token_file(directory: Path, vocab_size: int) -> str:
-    """A random token stream (uint32 .npy) for the LM cases."""
-    path = directory / "tokens.npy"
+def token_file(directory: Path, vocab_size: int, seq_len: int) -> str:
+    """A random token stream (uint32 .npy) for the LM cases: 64 rows of 2048 tokens, or 4 rows
+    of `seq_len` (one of them held out) where that is more."""
+    size = max(8 * 2048 * 64, 4 * (seq_len + 1)) + 1
+    path = directory / f"tokens_{size}.npy"
     if not path.exists():
         rng = np.random.default_rng(0)
-        np.save(path, rng.integers(1, vocab_size, 8 * 2048 * 64 + 1, dtype=np.uint32))
+        np.save(path, rng.integers(1, vocab_size, size, dtype=np.uint32))
     return str(path)
 
 
-def measure(name: str, steps: int, scratch: Path, e2e: bool = True) -> dict:
-    """Pure-step and end-to-end throughput of one case."""
-    argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], "train.progress=false"]
+def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0) -> dict:
+    """Pure-step and end-to-end throughput of one case, with `extra` overrides; `profile` > 0
+    prints that many of GPU 0's costliest kernels in a step."""
+    argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], *extra, "train.progress=false"]
     if name.startswith("lm_"):
-        argv.append(f"data.path={token_file(scratch, 50277)}")
+        seq_len = train.resolve_config(argv).data.seq_len
+        argv.append(f"data.path={token_file(scratch, 50277, seq_len)}")
     cfg = train.resolve_config([*argv, f"workdir={scratch / name}"])
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True)
@@ -82,9 +95,23 @@ def measure(name: str, steps: int, scratch: Path, e2e: bool = True) -> dict:
         jax.block_until_ready(metrics)
         step_s = (time.perf_counter() - start) / steps
         rows, length = batch["inputs"].shape
+        if profile:
+            held = [state]
+
+            def one_step():
+                held[0], step_metrics = trainer.step_fn(held[0], batch)
+                return step_metrics
+
+            times = timing.kernel_times_us(one_step, reps=3, plane_prefix="/device:GPU:0")
+            print(f"GPU:0 kernels of {name}: {sum(times.values()) / 1e3:.2f} ms per step")
+            for kernel, us in list(times.items())[:profile]:
+                print(f"  {us / 1e3:8.3f} ms  {kernel[:100]}")
+        peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat)
     result = {
         "case": name,
-        "config": " ".join(CASES[name]),
+        "config": " ".join([*CASES[name], *extra]),
+        "mesh": " x ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+        "peak_gib": peak / 2**30,
         "batch": f"{rows} x {length}",
         "compile_s": compile_s,
         "step_ms": 1e3 * step_s,
@@ -120,21 +147,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--write", default="")
     parser.add_argument("--no-e2e", action="store_true", help="time the jitted step only")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for every case")
+    parser.add_argument("--profile", type=int, default=0, help="print this many top GPU kernels")
     args = parser.parse_args()
     device = jax.devices()[0]
     header = (
         f"\n### train step throughput: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"{platform.node()}\n\n| case | config | batch | compile s | step ms | steps/s | tokens/s "
-        "| e2e tokens/s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| e2e tokens/s | mesh | peak GiB |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.cases.split(","):
-            r = measure(name, args.steps, Path(scratch), e2e=not args.no_e2e)
+            r = measure(name, args.steps, Path(scratch), e2e=not args.no_e2e, extra=args.set,
+                        profile=args.profile)
             rows.append(
                 f"| {r['case']} | `{r['config']}` | {r['batch']} | {r['compile_s']:.1f} | "
                 f"{r['step_ms']:.2f} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-                f"{r['e2e_tokens_per_s']:,.0f} |\n"
+                f"{r['e2e_tokens_per_s']:,.0f} | {r['mesh']} | {r['peak_gib']:.1f} |\n"
             )
             print(rows[-1], end="", flush=True)
     table = header + "".join(rows)

@@ -34,7 +34,7 @@ def auto_picks_pallas():
     a multi-device mesh with automatically partitioned axes (XLA cannot split a kernel's custom
     call; GSPMD partitions the pure-JAX path instead). Inside shard_map (manual axes) each
     device runs its kernel: hax_jax's layers call the ops that way under a mesh whose "seq"
-    axis is 1 (hax_jax/kernel_sharding.py)."""
+    axis is 1 (hax_jax/parallel.py)."""
     if not kernels_by_default():
         return False
     mesh = jax.sharding.get_abstract_mesh()

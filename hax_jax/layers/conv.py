@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hax_jax.parallel import from_last_shard, from_previous_shard, per_device, seq_shards
+
 
 def torch_linear_init(fan_in: int, scale: float = 1.0):
     """PyTorch's default Linear/Conv init, U(+-1/sqrt(fan_in)), optionally scaled (mamba_ssm keeps it)."""
@@ -47,29 +49,21 @@ class CausalConv1d(nnx.Module):
         """x (b, l, c), state (b, width-1, c), seq_idx (b, l) -> (y (b, l, c), new state).
 
         With `seq_idx`, no window reaches across a document boundary; the incoming state belongs to
-        the first document of the row.
+        the first document of the row. Under a mesh with a split "seq" axis each shard takes the
+        previous shard's last width - 1 inputs as its window (a halo; hax_jax.parallel).
         """
-        b, l, c = x.shape
-        k = self.width
         if state is None:
-            state = self.init_state(b, x.dtype)
-        xp = jnp.concatenate([state.astype(x.dtype), x], axis=1).astype(jnp.float32)
-        kernel = self.kernel[...].astype(jnp.float32)
-        if seq_idx is not None:
-            seq_p = jnp.concatenate([jnp.repeat(seq_idx[:, :1], k - 1, axis=1), seq_idx], axis=1)
-        y = jnp.zeros((b, l, c), jnp.float32)
-        for j in range(k):  # tap j reads x_{t - (k-1) + j}
-            tap = xp[:, j : j + l] * kernel[j]
-            if seq_idx is not None:
-                tap = jnp.where((seq_p[:, j : j + l] == seq_idx)[..., None], tap, 0.0)
-            y = y + tap
-        if self.bias is not None:
-            y = y + self.bias[...]
-        new_state = xp[:, xp.shape[1] - (k - 1) :]
-        if seq_idx is not None:  # the next token continues the last document only
-            keep = seq_p[:, seq_p.shape[1] - (k - 1) :] == seq_idx[:, -1:]
-            new_state = jnp.where(keep[..., None], new_state, 0.0)
-        return y.astype(x.dtype), new_state.astype(x.dtype)
+            state = self.init_state(x.shape[0], x.dtype)
+        bias = None if self.bias is None else self.bias[...]
+        return per_device(
+            _conv_shard,
+            "xla",
+            dict(x=x, kernel=self.kernel[...], bias=bias, state=state, seq_idx=seq_idx),
+            dict(x=("batch", "seq", "inner"), kernel=(None, "inner"), bias=("inner",),
+                 state=("batch", None, "inner"), seq_idx=("batch", "seq")),
+            [("batch", "seq", "inner"), ("batch", None, "inner")],
+            seq_aware=True,
+        )  # fmt: skip
 
     def step(self, x: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
         """One token: x (b, c), state (b, width-1, c) -> (y (b, c), new state)."""
@@ -78,3 +72,45 @@ class CausalConv1d(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype), window[:, 1:].astype(x.dtype)
+
+
+def _conv_shard(x, kernel, bias, state, seq_idx):
+    """`causal_conv1d` of this shard of the sequence: its window comes from the previous shard
+    (or `state` on the first); the new state is the last shard's."""
+    k = kernel.shape[0]
+    if seq_shards() > 1 and x.shape[1] < k - 1:
+        raise ValueError(
+            f"each sequence shard holds {x.shape[1]} positions, fewer than the conv's "
+            f"width - 1 = {k - 1}: use fewer seq shards or a longer sequence"
+        )
+    state = from_previous_shard(x[:, x.shape[1] - (k - 1) :].astype(state.dtype), state)
+    state_seq_idx = None
+    if seq_idx is not None:
+        first = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)  # the state's document: the first one
+        state_seq_idx = from_previous_shard(seq_idx[:, seq_idx.shape[1] - (k - 1) :], first)
+    y, new_state = causal_conv1d(x, kernel, bias, state, seq_idx, state_seq_idx)
+    return y, from_last_shard(new_state)
+
+
+def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None):
+    """y_t = bias + sum_j kernel[j] x_{t - (k-1) + j} over [state | x] (b, k - 1 + l, c), with
+    taps across a change of seq_idx (state_seq_idx: the window's documents) zeroed."""
+    b, l, c = x.shape
+    k = kernel.shape[0]
+    xp = jnp.concatenate([state.astype(x.dtype), x], axis=1).astype(jnp.float32)
+    kernel = kernel.astype(jnp.float32)
+    if seq_idx is not None:
+        seq_p = jnp.concatenate([state_seq_idx, seq_idx], axis=1)
+    y = jnp.zeros((b, l, c), jnp.float32)
+    for j in range(k):  # tap j reads x_{t - (k-1) + j}
+        tap = xp[:, j : j + l] * kernel[j]
+        if seq_idx is not None:
+            tap = jnp.where((seq_p[:, j : j + l] == seq_idx)[..., None], tap, 0.0)
+        y = y + tap
+    if bias is not None:
+        y = y + bias
+    new_state = xp[:, xp.shape[1] - (k - 1) :]
+    if seq_idx is not None:  # the next token continues the last document only
+        keep = seq_p[:, seq_p.shape[1] - (k - 1) :] == seq_idx[:, -1:]
+        new_state = jnp.where(keep[..., None], new_state, 0.0)
+    return y.astype(x.dtype), new_state.astype(x.dtype)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import ModelConfig
-from hax_jax.kernel_sharding import per_device
 from hax_jax.layers.conv import torch_linear_init
+from hax_jax.parallel import per_device
 from hax_jax.sharding import linear_axes
 from pallas_kernels.sparse_attention import (
     SparseAttentionCache,
@@ -164,9 +164,9 @@ class HaxBranch(nnx.Module):
         return per_device(
             attend,
             self.cfg.impl,
-            (q, k, x, hash_proj, key_scores),
-            [rows, rows, ("batch", "seq", "inner"), None if hash_proj is None else (None, None),
-             None if key_scores is None else ("batch", "seq")],
+            dict(q=q, k=k, v=x, hash_proj=hash_proj, key_scores=key_scores),
+            dict(q=rows, k=rows, v=("batch", "seq", "inner"), hash_proj=(None, None),
+                 key_scores=("batch", "seq")),
             [("batch", "seq", "inner")],
         )  # fmt: skip
 

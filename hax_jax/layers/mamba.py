@@ -1,5 +1,6 @@
 """The Mamba-1 (S6) mixer, exactly the official block (Mamba paper §3.4; mamba_ssm `Mamba`)."""
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -8,11 +9,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.kernel_sharding import per_device
+from hax_jax.parallel import per_device, selective_scan_sequence_parallel
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
 from hax_jax.sharding import linear_axes
-from pallas_kernels.selective_scan import selective_scan
 
 
 class MambaCache(NamedTuple):
@@ -130,21 +130,18 @@ class MambaMixer(nnx.Module):
         x = jax.nn.silu(x)
         dt, B, C = self._dt_B_C(x)
 
-        def scan(x, dt, A, B, C, D, z, initial_state):
-            return selective_scan(
-                x, dt, A, B, C, D=D, z=z, initial_state=initial_state, return_final_state=True,
-                impl=self.scan_impl,
-            )  # fmt: skip
-
         h0 = None if cache is None else cache.ssm
         channels = ("batch", "seq", "inner")
         y, ssm_state = per_device(
-            scan,
+            functools.partial(selective_scan_sequence_parallel, impl=self.scan_impl),
             self.scan_impl,
-            (x, dt, -jnp.exp(self.A_log[...]), B, C, self.D[...], z, h0),
-            [channels, channels, ("inner", None), ("batch", "seq", None), ("batch", "seq", None),
-             ("inner",), channels, None if h0 is None else ("batch", "inner", None)],
+            dict(x=x, dt=dt, A=-jnp.exp(self.A_log[...]), B=B, C=C, D=self.D[...], z=z,
+                 initial_state=h0),
+            dict(x=channels, dt=channels, A=("inner", None), B=("batch", "seq", None),
+                 C=("batch", "seq", None), D=("inner",), z=channels,
+                 initial_state=("batch", "inner", None)),
             [channels, ("batch", "inner", None)],
+            seq_aware=True,
         )  # fmt: skip
         sparse_cache = None
         if self.branch is not None:

@@ -1,5 +1,6 @@
 """The Mamba-2 (SSD) mixer, exactly the official block (Mamba-2 paper §7; mamba_ssm `Mamba2`)."""
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -8,13 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.kernel_sharding import per_device, ssd_head_and_group_names
+from hax_jax.parallel import per_device, ssd_head_and_group_names, ssd_sequence_parallel
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import SparseAttentionCache
 from hax_jax.layers.mamba import dt_bias_init, sparse_branch
 from hax_jax.layers.norms import GatedRMSNorm
 from hax_jax.sharding import linear_axes
-from pallas_kernels.ssd import ssd
 
 
 class Mamba2Cache(NamedTuple):
@@ -123,23 +123,21 @@ class Mamba2Mixer(nnx.Module):
         )
         x, B, C = self._x_B_C(jax.nn.silu(xBC))
 
-        def scan(x, dt, A, B, C, D, initial_state, seq_idx):
-            return ssd(
-                x, dt, A, B, C, chunk_size=self.chunk_size, D=D, initial_state=initial_state,
-                return_final_state=True, seq_idx=seq_idx, impl=self.ssd_impl,
-            )  # fmt: skip
-
+        scan = functools.partial(
+            ssd_sequence_parallel, chunk_size=self.chunk_size, impl=self.ssd_impl
+        )
         heads, groups = ssd_head_and_group_names(self.n_heads, self.ngroups)
         h0 = None if cache is None else cache.ssm
         y, ssm_state = per_device(
             scan,
             self.ssd_impl,
-            (x, dt, -jnp.exp(self.A_log[...]), B, C, self.D[...], h0, seq_idx),
-            [("batch", "seq", heads, None), ("batch", "seq", heads), (heads,),
-             ("batch", "seq", groups, None), ("batch", "seq", groups, None), (heads,),
-             None if h0 is None else ("batch", heads, None, None),
-             None if seq_idx is None else ("batch", "seq")],
+            dict(x=x, dt=dt, A=-jnp.exp(self.A_log[...]), B=B, C=C, D=self.D[...],
+                 initial_state=h0, seq_idx=seq_idx),
+            dict(x=("batch", "seq", heads, None), dt=("batch", "seq", heads), A=(heads,),
+                 B=("batch", "seq", groups, None), C=("batch", "seq", groups, None), D=(heads,),
+                 initial_state=("batch", heads, None, None), seq_idx=("batch", "seq")),
             [("batch", "seq", heads, None), ("batch", heads, None, None)],
+            seq_aware=True,
         )  # fmt: skip
         y = y.reshape(b, l, self.d_inner)
         sparse_cache = None

@@ -1,5 +1,5 @@
 """Pallas kernels under a multi-device mesh run per device in shard_map: same values and gradients
-as on one device; with a split sequence axis the layers keep the pure-JAX paths.
+as on one device (tests/hax_jax/test_sequence_parallel.py covers a split sequence axis).
 
 The kernels run in Pallas interpret mode on the 8 simulated CPU devices of tests/conftest.py;
 impl="auto" is checked on traces with `jax.default_backend` patched to "gpu" (nothing compiled).
@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hax_jax import sharding
 from hax_jax.config import Mamba2Config, MambaConfig, MeshConfig, ModelConfig, SparseConfig
-from hax_jax.kernel_sharding import ssd_head_and_group_names
+from hax_jax.parallel import ssd_head_and_group_names
 from hax_jax.models.blocks import MIXERS
 from tests.support.mixer_testing import perturbed, random_inputs
 
@@ -128,15 +128,15 @@ def traced_on(monkeypatch):
         ("cpu", (2, 1, 2), False, False),  # off-GPU: the pure-JAX paths, partitioned by XLA
         ("gpu", None, True, False),  # no mesh: the kernels as they are
         ("gpu", (2, 1, 2), True, True),  # data x tensor: the kernels per device
-        ("gpu", (2, 2, 2), False, False),  # a split sequence: the pure-JAX paths, as before
+        ("gpu", (2, 2, 2), True, True),  # a split sequence too: kernels per shard, states passed
     ],
 )
-def test_auto_runs_the_kernels_per_device_unless_seq_is_split(
+def test_auto_runs_the_kernels_per_device(
     traced_on, kind, platform, mesh, kernels, mapped
 ):
     """impl="auto" (a HAX mixer, abstract: traced only): shard_map around the kernels on a GPU
-    under a data x tensor mesh; a "seq" axis of 2 cannot split a recurrence, so there neither
-    shard_map nor a kernel is traced."""
+    under a data x tensor mesh, and with a "seq" axis of 2 too (each shard runs the kernels and
+    the shards pass their states, hax_jax.parallel)."""
     mixer = nnx.eval_shape(lambda: MIXERS[kind](_config(kind, impl="auto"), rngs=nnx.Rngs(0)))
     u = jax.ShapeDtypeStruct((2, 32, 32), jnp.float32)
     traced_on(platform)

@@ -1,0 +1,249 @@
+"""Ops per device under a mesh, and sequence parallelism by passing states between shards.
+
+XLA cannot partition a Pallas kernel's custom call, and GSPMD partitions a scan over a split
+sequence with dozens of collective-permutes. So the layers run their ops inside `jax.shard_map`
+(`per_device`), every argument split by its logical axis names (the rules of hax_jax.sharding, so
+the specs agree with the activations' constraints): batch over "data", channels / heads over
+"tensor", and, for an op that handles it ("seq_aware"), positions over "seq" in contiguous shards.
+
+A sequence-aware op runs on its shard as on one device and passes what the recurrence carries
+(Mamba-2 paper §8.2; recurrentgemma's multi-shard correction): every shard scans from a zero state,
+the shards' (decay, final state) pairs are combined by an exclusive prefix over "seq" (one small
+all-gather: `incoming_states`), and each shard adds the incoming state's contribution. The conv
+takes a halo of its width - 1 inputs from the previous shard (`from_previous_shard`). Only states
+and halos travel; no activation is gathered over "seq".
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
+
+from hax_jax.sharding import current_mesh, logical_to_spec
+from pallas_kernels import backend
+from pallas_kernels.selective_scan import selective_scan
+from pallas_kernels.ssd import ssd
+
+SEQ = "seq"
+Names = Sequence[str | None]  # one logical name per axis of an array
+
+
+def op_mesh(impl: str, *, seq_aware: bool = False) -> jax.sharding.AbstractMesh | None:
+    """The mesh to shard_map an op over, or None (call the op as it is).
+
+    Under a mesh of several devices with Auto axes (not already inside shard_map): with a split
+    "seq" axis, the mesh when the op is `seq_aware` (it passes states between shards itself),
+    else None (GSPMD partitions the op); with "seq" of one, the mesh when `impl` runs Pallas
+    kernels ("pallas", or "auto" where `backend.kernels_by_default()`: a GPU)."""
+    mesh = current_mesh()
+    if mesh is None or mesh.size == 1:
+        return None
+    if any(kind != AxisType.Auto for kind in mesh.axis_types):
+        return None
+    if dict(mesh.shape).get(SEQ, 1) > 1:
+        return mesh if seq_aware else None
+    if impl == "pallas" or (impl == "auto" and backend.kernels_by_default()):
+        return mesh
+    return None
+
+
+def per_device(
+    fn: Callable,
+    impl: str,
+    args: Mapping[str, jax.Array | None],
+    axes: Mapping[str, Names],
+    out_axes: Sequence[Names],
+    *,
+    seq_aware: bool = False,
+):
+    """fn(**args), inside shard_map over the mesh when `op_mesh(impl, seq_aware=...)` gives one.
+
+    `axes[name]` gives the logical axis names of args[name] (an argument that is None needs
+    none); `out_axes` those of fn's outputs (a tuple of arrays; one array if out_axes has one
+    entry). An axis the mesh does not divide stays whole on every device, so fn must compute on
+    its shard exactly what it computes on the whole; only a `seq_aware` fn sees a split "seq"
+    (it must combine its shards itself), and there a sequence the "seq" axis does not divide is
+    a ValueError naming both.
+    """
+    mesh = op_mesh(impl, seq_aware=seq_aware)
+    if mesh is None:
+        return fn(**args)
+    present = {name: a for name, a in args.items() if a is not None}
+    shards = dict(mesh.shape)[SEQ]
+    for name, a in present.items():
+        if SEQ in axes[name] and a.shape[list(axes[name]).index(SEQ)] % shards:
+            length = a.shape[list(axes[name]).index(SEQ)]
+            raise ValueError(
+                f"the sequence length {length} of {name} is not divisible by the mesh's "
+                f"seq={shards}: every shard must hold the same number of positions"
+            )
+    in_specs = {n: logical_to_spec(axes[n], a.shape, mesh) for n, a in present.items()}
+    single = len(out_axes) == 1
+    out_shapes = jax.eval_shape(lambda kw: fn(**kw, **_nones(args)), present)
+    out_shapes = (out_shapes,) if single else out_shapes
+    out_specs = tuple(
+        logical_to_spec(names, s.shape, mesh) for names, s in zip(out_axes, out_shapes, strict=True)
+    )
+    mapped = jax.shard_map(
+        lambda kw: fn(**kw, **_nones(args)),
+        mesh=mesh,
+        in_specs=(in_specs,),
+        out_specs=out_specs[0] if single else out_specs,
+        check_vma=False,  # Pallas calls carry no varying-axes annotations
+    )
+    return mapped(present)
+
+
+def _nones(args: Mapping[str, object]) -> dict:
+    """The arguments that are None (they do not cross the shard_map boundary)."""
+    return {name: None for name, a in args.items() if a is None}
+
+
+def ssd_head_and_group_names(heads: int, groups: int) -> tuple[str | None, str | None]:
+    """Logical names of the SSD's head and group axes for `per_device`: a device's heads must
+    read their own groups. Head hh reads group hh // (heads // groups); on a shard of h' heads
+    and g' groups the kernel maps local head i to local group i // (h' // g'). Groups split with
+    the heads when the tensor size T divides them (device t holds heads t*h' ... and exactly
+    their groups t*g' ...); one group is replicated (every head reads it). Otherwise (e.g. 12
+    heads in 3 groups over T = 2: a device's 6 heads straddle groups of 4; or 2 groups over
+    T = 4: a replicated pair of groups would be misread) nothing is split over "tensor"."""
+    mesh = current_mesh()
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    if tensor == 1 or heads % tensor:
+        return None, None
+    if groups % tensor == 0:
+        return "heads", "heads"
+    return ("heads", None) if groups == 1 else (None, None)
+
+
+# ----------------------------------------------------------------------------- between shards
+
+
+def seq_shards() -> int:
+    """How many shards the sequence is split into here: the "seq" size inside a shard_map over
+    it, else 1."""
+    mesh = current_mesh()
+    if mesh is None or SEQ not in mesh.axis_names:
+        return 1
+    if mesh.axis_types[mesh.axis_names.index(SEQ)] != AxisType.Manual:
+        return 1
+    return dict(mesh.shape)[SEQ]
+
+
+def from_previous_shard(tail: jax.Array, first: jax.Array) -> jax.Array:
+    """`tail` of shard s - 1 on shard s, and `first` on shard 0 (same shape): a halo."""
+    shards = seq_shards()
+    if shards == 1:
+        return first
+    moved = jax.lax.ppermute(tail, SEQ, [(s, s + 1) for s in range(shards - 1)])
+    return jnp.where(jax.lax.axis_index(SEQ) == 0, first, moved)
+
+
+def from_last_shard(x: jax.Array) -> jax.Array:
+    """The last shard's x, on every shard (a state after the whole sequence)."""
+    shards = seq_shards()
+    if shards == 1:
+        return x
+    last = jax.lax.axis_index(SEQ) == shards - 1
+    return jax.lax.psum(jnp.where(last, x, jnp.zeros_like(x)), SEQ)
+
+
+def incoming_states(
+    decay: jax.Array, final: jax.Array, initial: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(state entering this shard, state after the last shard) of a linear recurrence.
+
+    Each shard's effect on the state is the affine map h -> decay * h + final (its total decay,
+    broadcast against its final state from a zero start); the state entering shard s composes
+    the maps of shards 0..s-1 onto `initial` (zeros if None). One all-gather of the pairs over
+    "seq", then S cheap elementwise steps on every shard."""
+    h = jnp.zeros_like(final) if initial is None else initial.astype(final.dtype)
+    shards = seq_shards()
+    if shards == 1:
+        return h, decay * h + final
+    decays = jax.lax.all_gather(decay, SEQ)
+    finals = jax.lax.all_gather(final, SEQ)
+    entering = []
+    for s in range(shards):
+        entering.append(h)
+        h = decays[s] * h + finals[s]
+    return jnp.stack(entering)[jax.lax.axis_index(SEQ)], h
+
+
+# ----------------------------------------------------------------------------- the scans
+
+
+def ssd_sequence_parallel(
+    x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size: int, impl: str
+) -> tuple[jax.Array, jax.Array]:
+    """`pallas_kernels.ssd` (y, final state) of this shard of the sequence, exact to one device.
+
+    Mamba-2 paper §8.2: the shard runs SSD from a zero state (its kernels as on one device); the
+    incoming state h_in (`incoming_states` over the shards' total decays and final states) adds
+    y_t += exp(sum_{s<=t} dt_s A) C_t h_in at the positions t still in the document the previous
+    shard ended in (`seq_idx`: a boundary inside or at the edge of the shard cuts it off)."""
+    kwargs = dict(chunk_size=chunk_size, D=D, return_final_state=True, seq_idx=seq_idx, impl=impl)
+    if seq_shards() == 1:
+        return ssd(x, dt, A, B, C, initial_state=initial_state, **kwargs)
+    y, final = ssd(x, dt, A, B, C, **kwargs)
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    log_decay_blh = jnp.cumsum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)
+    decay_blh = jnp.exp(log_decay_blh) * _continues_document(seq_idx, b, l)[..., None]
+    h_in, h_final = incoming_states(decay_blh[:, -1, :, None, None], final, initial_state)
+    h_in_bgrpn = h_in.reshape(b, g, h // g, p, n)
+    y_in_blgrp = jnp.einsum("blgn,bgrpn->blgrp", C.astype(jnp.float32), h_in_bgrpn)
+    y_in_blhp = y_in_blgrp.reshape(b, l, h, p) * decay_blh[..., None]
+    return (y.astype(jnp.float32) + y_in_blhp).astype(y.dtype), h_final
+
+
+def selective_scan_sequence_parallel(
+    x, dt, A, B, C, D, z, initial_state, *, impl: str
+) -> tuple[jax.Array, jax.Array]:
+    """`pallas_kernels.selective_scan` (y, final state) of this shard, exact to one device.
+
+    A first scan from a zero state gives the shard's final state; with its total decay
+    exp(A sum_t dt_t) per (channel, state) the shards' states are passed (`incoming_states`);
+    a second scan runs from the incoming state (the S6 state is per channel, so the incoming
+    state's effect on y is not one cheap matmul as in SSD: the kernel applies it)."""
+    if seq_shards() == 1:
+        return selective_scan(
+            x, dt, A, B, C, D=D, z=z, initial_state=initial_state, return_final_state=True,
+            impl=impl,
+        )  # fmt: skip
+    _, final = selective_scan(x, dt, A, B, C, return_final_state=True, impl=impl)
+    dt_sum_bd = jnp.sum(dt.astype(jnp.float32), axis=1)
+    decay_bdn = jnp.exp(dt_sum_bd[:, :, None] * A.astype(jnp.float32))
+    h_in, h_final = incoming_states(decay_bdn, final, initial_state)
+    y = selective_scan(x, dt, A, B, C, D=D, z=z, initial_state=h_in, impl=impl)
+    return y, h_final
+
+
+def _continues_document(seq_idx: jax.Array | None, b: int, l: int) -> jax.Array:
+    """(b, l) float: 1 where every position of this shard up to t is in the document the
+    previous shard ended in (on shard 0: the row's first document, which an initial state
+    belongs to), else 0."""
+    if seq_idx is None:
+        return jnp.ones((b, l), jnp.float32)
+    prev_last_b = from_previous_shard(seq_idx[:, -1], seq_idx[:, 0])
+    same_bl = (seq_idx == prev_last_b[:, None]).astype(jnp.int32)
+    return jax.lax.cummin(same_bl, axis=1).astype(jnp.float32)
+
+
+def check_sequence_split(row_length: int, seq: int, mixer_kinds, chunk_size: int) -> None:
+    """ValueError naming data.seq_len, mesh.seq and model.mamba2.chunk_size unless rows of
+    `row_length` tokens split into `seq` equal shards, each a whole number of SSD chunks when a
+    layer is Mamba-2 (its kernels tile a shard into chunks; a ragged one would pad each shard)."""
+    if seq == 1:
+        return
+    if row_length % seq:
+        raise ValueError(
+            f"data.seq_len={row_length} (the rows' length) is not divisible by mesh.seq={seq}"
+        )
+    shard = row_length // seq
+    if "mamba2" in mixer_kinds and shard % chunk_size:
+        raise ValueError(
+            f"data.seq_len={row_length} over mesh.seq={seq} gives shards of {shard} tokens, not "
+            f"a whole number of SSD chunks (model.mamba2.chunk_size={chunk_size})"
+        )
