@@ -78,12 +78,12 @@ def per_device(
                 f"the sequence length {length} of {name} is not divisible by the mesh's "
                 f"seq={shards}: every shard must hold the same number of positions"
             )
-    in_specs = {n: logical_to_spec(axes[n], a.shape, mesh) for n, a in present.items()}
+    in_specs = {n: _manual_spec(axes[n], a.shape, mesh) for n, a in present.items()}
     single = len(out_axes) == 1
     out_shapes = jax.eval_shape(lambda kw: fn(**kw, **_nones(args)), present)
     out_shapes = (out_shapes,) if single else out_shapes
     out_specs = tuple(
-        logical_to_spec(names, s.shape, mesh) for names, s in zip(out_axes, out_shapes, strict=True)
+        _manual_spec(names, s.shape, mesh) for names, s in zip(out_axes, out_shapes, strict=True)
     )
     mapped = jax.shard_map(
         lambda kw: fn(**kw, **_nones(args)),
@@ -93,6 +93,17 @@ def per_device(
         check_vma=False,  # Pallas calls carry no varying-axes annotations
     )
     return mapped(present)
+
+
+def _manual_spec(names: Names, shape, mesh) -> PartitionSpec:
+    """`logical_to_spec`, with the mesh's size-one axes it leaves out folded into the first
+    dimension (dividing by one changes nothing): a shard_map argument "replicated" over a
+    size-one axis would have its cotangent psum'd over it, a no-op collective per argument."""
+    spec = list(logical_to_spec(names, shape, mesh))
+    trivial = [a for a, n in dict(mesh.shape).items() if n == 1 and a not in spec]
+    if trivial and spec:
+        spec[0] = tuple(([spec[0]] if spec[0] else []) + trivial)
+    return PartitionSpec(*spec)
 
 
 def _nones(args: Mapping[str, object]) -> dict:

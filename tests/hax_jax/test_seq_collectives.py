@@ -1,0 +1,84 @@
+"""The collectives a sequence-parallel training step runs over "seq": a handful of small ones per
+block, none of them moving a whole sequence (only states, halos and carries travel).
+
+Counted in the optimized HLO of value_and_grad of a tiny Mamba-2 LM under data x seq = 1 x 2 on
+the simulated CPU devices of tests/conftest.py; one block's count is the difference between a
+2-layer and a 1-layer model, so the loss's and the optimizer's own collectives cancel.
+"""
+
+import collections
+import re
+
+import jax
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hax_jax import sharding
+from hax_jax.config import Mamba2Config, MeshConfig, ModelConfig
+from hax_jax.models.lm import LanguageModel
+
+# Sizes chosen so no parameter or state dimension equals a length or chunk count below.
+L, D_CONV, CHUNK, SHARDS = 1024, 4, 8, 2
+COLLECTIVE = re.compile(
+    r"= (\S+|\(.*?\)) (all-gather|all-reduce|collective-permute|reduce-scatter|all-to-all)"
+    r"(?:-start)?\("
+)
+
+
+def _step_collectives(n_layer: int) -> list[tuple[str, str]]:
+    """(kind, result shape) of every collective in the compiled value_and_grad of the LM loss."""
+    cfg = ModelConfig(
+        d_model=40, n_layer=n_layer, vocab_size=48, block_pattern=("mamba2",),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=CHUNK, d_conv=D_CONV),
+    )  # fmt: skip
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
+
+    def loss(params, tokens):
+        model = nnx.merge(graphdef, params)
+        logits = model(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    mesh = sharding.make_mesh(MeshConfig(data=1, seq=SHARDS, tensor=1), jax.devices("cpu"))
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        state,
+        sharding.param_shardings(state, mesh),
+    )
+    tokens = jax.ShapeDtypeStruct((1, L), "int32", sharding=NamedSharding(mesh, P(None, "seq")))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().as_text()
+    return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
+
+
+@pytest.fixture(scope="module")
+def collectives():
+    return {n: _step_collectives(n) for n in (1, 2)}
+
+
+def test_a_handful_of_collectives_per_block(collectives):
+    """One block adds: forward, the conv halo (collective-permute) and the SSD's (decay, final
+    state) all-gathers; backward, their transposes. Nothing else over "seq"."""
+    per_block = collections.Counter(k for k, _ in collectives[2])
+    per_block.subtract(k for k, _ in collectives[1])
+    per_block = {k: v for k, v in per_block.items() if v}
+    assert sum(per_block.values()) <= 8, per_block
+    assert per_block.get("collective-permute", 0) >= 1, per_block  # the conv halo
+    assert per_block.get("all-gather", 0) >= 1, per_block  # the SSD states
+
+
+def test_no_collective_moves_a_sequence(collectives):
+    """No collective's result has an axis of positions or chunks (of the sequence or a shard):
+    activations and chunk states stay on their shard; an all-gather collects one entry per
+    shard (the passed states); a collective-permute carries the d_conv - 1 = 3 halo positions.
+    (GSPMD partitioning the chunked SSD instead all-gathers every chunk's state.)"""
+    lengths = {L, L // SHARDS, L // CHUNK, L // (SHARDS * CHUNK)}
+    for kind, shape in collectives[2]:
+        dims = [int(d) for d in re.findall(r"\d+", re.sub(r"\{.*?\}", "", shape))]
+        assert not lengths & set(dims), (kind, shape)
+        if kind == "all-gather":
+            assert dims[1] == SHARDS, shape  # dims[0] is the bit width of the f32 / bf16 type
+        if kind == "collective-permute":
+            assert D_CONV - 1 in dims, shape
