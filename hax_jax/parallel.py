@@ -23,6 +23,7 @@ from jax.sharding import AxisType, PartitionSpec
 from hax_jax.sharding import current_mesh, logical_to_spec
 from pallas_kernels import backend
 from pallas_kernels.selective_scan import selective_scan
+from pallas_kernels.sparse_attention import carry, sparse_attention
 from pallas_kernels.ssd import ssd
 
 SEQ = "seq"
@@ -258,3 +259,67 @@ def check_sequence_split(row_length: int, seq: int, mixer_kinds, chunk_size: int
             f"data.seq_len={row_length} over mesh.seq={seq} gives shards of {shard} tokens, not "
             f"a whole number of SSD chunks (model.mamba2.chunk_size={chunk_size})"
         )
+
+
+# ----------------------------------------------------------------------------- sparse attention
+
+
+def sequence_cumsum(x: jax.Array) -> jax.Array:
+    """jnp.cumsum(x, axis=1) in fp32 for x (b, l, f) whose positions may be split over "seq":
+    each shard adds the sums of the shards before it (one small all-gather), so no shard reads
+    another's positions."""
+    return per_device(
+        _cumsum_shard, "xla", dict(x=x), dict(x=("batch", "seq", None)),
+        [("batch", "seq", None)], seq_aware=True,
+    )  # fmt: skip
+
+
+def _cumsum_shard(x):
+    """The shard's cumulative sums, offset by the earlier shards' totals."""
+    local = jnp.cumsum(x.astype(jnp.float32), axis=1)
+    before, _ = incoming_states(jnp.ones((), jnp.float32), local[:, -1])
+    return local + before[:, None]
+
+
+def sparse_attention_sequence_parallel(
+    q, k, v, hash_proj, key_scores, *, pattern, num_keys, max_len, hash_bits, binning,
+    official_code, impl,
+) -> jax.Array:  # fmt: skip
+    """`pallas_kernels.sparse_attention` of this shard's queries over the whole prefix.
+
+    One device (or an unsplit "seq"): the op itself. A split sequence: every shard publishes the
+    keys later queries may select from it (`carry.summarise`: per LSH bucket the kc most recent,
+    the kc best-scored, the last / first kc, the kc most recent dilated: the decode cache's
+    contents), the summaries are all-gathered over "seq", and each shard's queries merge the
+    earlier shards' into their own candidates (`carry.attend_with_carry`). LSH centring uses
+    the earlier shards' sums of q and k. "full" all-gathers K and V (the quadratic ceiling)."""
+    settings = dict(pattern=pattern, num_keys=num_keys, max_len=max_len, binning=binning)
+    shards = seq_shards()
+    if shards == 1:
+        return sparse_attention(
+            q, k, v, hash_proj=hash_proj, key_scores=key_scores, official_code=official_code,
+            impl=impl, **settings,
+        )  # fmt: skip
+    if official_code:
+        raise ValueError(
+            "sparse.official_code=True reads the whole sequence (non-causal centring and "
+            "normalisation): it cannot run with the sequence split over mesh.seq > 1"
+        )
+    b, l, _ = q.shape
+    offset = jax.lax.axis_index(SEQ) * l
+    if pattern == "full":
+        k_all, v_all = (jax.lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, v))
+        return carry.full_attention_after(q, k_all, v_all, offset)
+    zeros = jnp.zeros((b, q.shape[-1]), jnp.float32)
+    q_sum_in = k_sum_in = zeros
+    bucket_k = None
+    if "lsh" in pattern.split("+"):
+        q_sum_in, _ = incoming_states(jnp.ones((), jnp.float32), jnp.sum(q.astype(jnp.float32), 1))
+        k_sum_in, _ = incoming_states(jnp.ones((), jnp.float32), jnp.sum(k.astype(jnp.float32), 1))
+        bucket_k = carry.buckets_after(k, k_sum_in, offset, hash_proj, binning)
+    summary = carry.summarise(k, v, key_scores, bucket_k, offset, hash_bits=hash_bits, **settings)
+    gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, SEQ, axis=1, tiled=True), summary)
+    return carry.attend_with_carry(
+        q, k, v, key_scores, hash_proj, gathered, offset=offset, shards=shards,
+        q_sum_in=q_sum_in, k_sum_in=k_sum_in, hash_bits=hash_bits, **settings,
+    )  # fmt: skip

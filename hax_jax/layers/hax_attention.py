@@ -7,6 +7,7 @@ the ranking loss (paper eqs. 15-17), which is sown as `nnx.Intermediate` "rank_l
 (collect it with `nnx.capture(model, nnx.Intermediate)`; see models.lm.rank_loss_sum).
 """
 
+import functools
 import math
 
 import jax
@@ -15,13 +16,12 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers.conv import torch_linear_init
-from hax_jax.parallel import per_device
+from hax_jax.parallel import per_device, sequence_cumsum, sparse_attention_sequence_parallel
 from hax_jax.sharding import linear_axes
 from pallas_kernels.sparse_attention import (
     SparseAttentionCache,
     init_cache,
     prefill_cache,
-    sparse_attention,
     sparse_attention_step,
 )
 
@@ -129,7 +129,7 @@ class HaxBranch(nnx.Module):
         """Scores of every key from the causal prefix sum of queries (the official code: sequence-normalised)."""
         if self.scorer is None:
             return None
-        q_sum = jnp.cumsum(q_bln.astype(jnp.float32), axis=1)
+        q_sum = sequence_cumsum(q_bln)
         # The official code calls normalize() with torch's default dim=1, the sequence axis: it leaks the
         # future into every score. We normalise each prefix sum over its own features.
         q_sum = l2_normalize(q_sum, axis=1 if self.cfg.official_code else -1)
@@ -151,14 +151,11 @@ class HaxBranch(nnx.Module):
         """The sub-quadratic op: q, k (b, l, N), V = x (b, l, e), scores (b, l) -> o (b, l, e).
         On a mesh each device attends for its batch rows and its slice of e (q, k whole)."""
 
-        def attend(q, k, v, hash_proj, key_scores):
-            return sparse_attention(
-                q, k, v, pattern=self.cfg.pattern, num_keys=self.cfg.num_keys,
-                hash_proj=hash_proj, key_scores=key_scores, max_len=self.cfg.max_len,
-                binning=self.cfg.binning, official_code=self.cfg.official_code,
-                impl=self.cfg.impl,
-            )  # fmt: skip
-
+        attend = functools.partial(
+            sparse_attention_sequence_parallel, pattern=self.cfg.pattern,
+            num_keys=self.cfg.num_keys, max_len=self.cfg.max_len, hash_bits=self.cfg.hash_bits,
+            binning=self.cfg.binning, official_code=self.cfg.official_code, impl=self.cfg.impl,
+        )  # fmt: skip
         key_scores = None if scores is None else jax.lax.stop_gradient(scores)
         rows = ("batch", "seq", None)
         return per_device(
@@ -168,6 +165,7 @@ class HaxBranch(nnx.Module):
             dict(q=rows, k=rows, v=("batch", "seq", "inner"), hash_proj=(None, None),
                  key_scores=("batch", "seq")),
             [("batch", "seq", "inner")],
+            seq_aware=True,
         )  # fmt: skip
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.parallel import per_device, selective_scan_sequence_parallel
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
+from hax_jax.parallel import per_device, selective_scan_sequence_parallel
 from hax_jax.sharding import linear_axes
 
 

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.parallel import per_device, ssd_head_and_group_names, ssd_sequence_parallel
 from hax_jax.layers.conv import CausalConv1d, torch_linear_init
 from hax_jax.layers.hax_attention import SparseAttentionCache
 from hax_jax.layers.mamba import dt_bias_init, sparse_branch
 from hax_jax.layers.norms import GatedRMSNorm
+from hax_jax.parallel import per_device, ssd_head_and_group_names, ssd_sequence_parallel
 from hax_jax.sharding import linear_axes
 
 

@@ -2,7 +2,8 @@
 block, none of them moving a whole sequence (only states, halos and carries travel).
 
 Counted in the optimized HLO of value_and_grad of a tiny Mamba-2 LM under data x seq = 1 x 2 on
-the simulated CPU devices of tests/conftest.py; one block's count is the difference between a
+the simulated CPU devices of tests/conftest.py, without and with a HAX branch (lsh+ks, ranking
+loss included); one block's count is the difference between a
 2-layer and a 1-layer model, so the loss's and the optimizer's own collectives cancel.
 """
 
@@ -17,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hax_jax import sharding
-from hax_jax.config import Mamba2Config, MeshConfig, ModelConfig
-from hax_jax.models.lm import LanguageModel
+from hax_jax.config import Mamba2Config, MeshConfig, ModelConfig, SparseConfig
+from hax_jax.models.lm import LanguageModel, rank_loss_sum
 
 # Sizes chosen so no parameter or state dimension equals a length or chunk count below.
 L, D_CONV, CHUNK, SHARDS = 1024, 4, 8, 2
@@ -28,18 +29,21 @@ COLLECTIVE = re.compile(
 )
 
 
-def _step_collectives(n_layer: int) -> list[tuple[str, str]]:
-    """(kind, result shape) of every collective in the compiled value_and_grad of the LM loss."""
+def _step_collectives(n_layer: int, sparse: str) -> list[tuple[str, str]]:
+    """(kind, result shape) of every collective in the compiled value_and_grad of the LM loss
+    (with the ranking loss of a sparse branch)."""
     cfg = ModelConfig(
         d_model=40, n_layer=n_layer, vocab_size=48, block_pattern=("mamba2",),
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=CHUNK, d_conv=D_CONV),
+        sparse=SparseConfig(pattern=sparse, num_keys=16, hash_bits=3, max_len=L),
     )  # fmt: skip
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
 
     def loss(params, tokens):
         model = nnx.merge(graphdef, params)
-        logits = model(tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+        logits, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+        return ce + rank_loss_sum(sown)
 
     mesh = sharding.make_mesh(MeshConfig(data=1, seq=SHARDS, tensor=1), jax.devices("cpu"))
     params = jax.tree.map(
@@ -53,32 +57,37 @@ def _step_collectives(n_layer: int) -> list[tuple[str, str]]:
     return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
 
 
-@pytest.fixture(scope="module")
-def collectives():
-    return {n: _step_collectives(n) for n in (1, 2)}
+# Per block: Mamba-2's conv halo (collective-permute) and SSD (decay, final state) all-gathers,
+# their transposes in the backward (6); HAX adds the sums of q and k before the shard (LSH
+# centring, the scorer's prefix) and the summaries' all-gathers (positions, scores, keys,
+# values), with the keys' and values' reduce-scatters.
+MOST_PER_BLOCK = {"": 6, "lsh+ks": 16}
+
+
+@pytest.fixture(scope="module", params=list(MOST_PER_BLOCK))
+def collectives(request):
+    return request.param, {n: _step_collectives(n, request.param) for n in (1, 2)}
 
 
 def test_a_handful_of_collectives_per_block(collectives):
-    """One block adds: forward, the conv halo (collective-permute) and the SSD's (decay, final
-    state) all-gathers; backward, their transposes. Nothing else over "seq"."""
-    per_block = collections.Counter(k for k, _ in collectives[2])
-    per_block.subtract(k for k, _ in collectives[1])
+    """One block adds a handful of collectives over "seq", listed above."""
+    sparse, by_layers = collectives
+    per_block = collections.Counter(k for k, _ in by_layers[2])
+    per_block.subtract(k for k, _ in by_layers[1])
     per_block = {k: v for k, v in per_block.items() if v}
-    assert sum(per_block.values()) <= 8, per_block
+    assert sum(per_block.values()) <= MOST_PER_BLOCK[sparse], per_block
     assert per_block.get("collective-permute", 0) >= 1, per_block  # the conv halo
     assert per_block.get("all-gather", 0) >= 1, per_block  # the SSD states
 
 
 def test_no_collective_moves_a_sequence(collectives):
     """No collective's result has an axis of positions or chunks (of the sequence or a shard):
-    activations and chunk states stay on their shard; an all-gather collects one entry per
-    shard (the passed states); a collective-permute carries the d_conv - 1 = 3 halo positions.
+    activations and chunk states stay on their shard (all-gathers collect the shards' states,
+    sums and summaries); a collective-permute carries the d_conv - 1 = 3 halo positions.
     (GSPMD partitioning the chunked SSD instead all-gathers every chunk's state.)"""
     lengths = {L, L // SHARDS, L // CHUNK, L // (SHARDS * CHUNK)}
-    for kind, shape in collectives[2]:
+    for kind, shape in collectives[1][2]:
         dims = [int(d) for d in re.findall(r"\d+", re.sub(r"\{.*?\}", "", shape))]
         assert not lengths & set(dims), (kind, shape)
-        if kind == "all-gather":
-            assert dims[1] == SHARDS, shape  # dims[0] is the bit width of the f32 / bf16 type
         if kind == "collective-permute":
             assert D_CONV - 1 in dims, shape
