@@ -5,8 +5,14 @@ capacity. Sliding-window attention (query i sees keys j with i - window < j <= i
 of `window` queries, each against its own block and the previous one, so it costs O(l * window)
 and never builds an (l, l) array; its decode cache is a ring buffer of the last window - 1 keys
 and values.
+
+With the sequence split over the mesh's "seq" axis (hax_jax.parallel), each shard attends for its
+own queries (RoPE at global positions, applied before the split): a sliding window takes the
+previous shard's last window - 1 keys and values as its history (a halo, as the conv's), and full
+attention all-gathers K and V over "seq" (the quadratic baseline's own cost).
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -17,7 +23,11 @@ from flax import nnx
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.rope import apply_rope
+from hax_jax.parallel import SEQ, from_last_shard, from_previous_shard, per_device, seq_shards
 from hax_jax.sharding import linear_axes
+
+HEADS = ("batch", "seq", "heads", None)  # q, k, v, o: (b, l, h, head_dim)
+HISTORY = ("batch", None, "heads", None)  # a window's history: (b, window - 1, h, head_dim)
 
 
 class KVCache(NamedTuple):
@@ -134,9 +144,11 @@ class Attention(nnx.Module):
     def _full(self, q, k, v, cache: KVCache | None):
         """Full causal attention of the new tokens over the cached ones and themselves."""
         l = q.shape[1]
-        i = jnp.arange(l)[:, None]
         if cache is None:  # training / first prefill: keys are just these l tokens
-            o = attend(q, k, v, i >= jnp.arange(l)[None], self.scale)
+            o = per_device(
+                functools.partial(_full_shard, scale=self.scale), "xla", dict(q=q, k=k, v=v),
+                dict(q=HEADS, k=HEADS, v=HEADS), [HEADS], seq_aware=True,
+            )  # fmt: skip
             # Hold at least this prefix; later calls must stay within the capacity.
             pad = ((0, 0), (0, max(DEFAULT_CAPACITY, l) - l), (0, 0), (0, 0))
             return o, KVCache(jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(l, jnp.int32))
@@ -145,45 +157,25 @@ class Attention(nnx.Module):
         p = cache.pos
         ck = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, p, 0, 0))
         cv = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, p, 0, 0))
-        o = attend(q, ck, cv, jnp.arange(ck.shape[1])[None] <= p + i, self.scale)
-        return o, KVCache(ck, cv, p + l)
+        mask = jnp.arange(ck.shape[1])[None] <= p + jnp.arange(l)[:, None]
+        return attend(q, ck, cv, mask, self.scale), KVCache(ck, cv, p + l)
 
     def _windowed(self, q, k, v, cache: KVCache | None):
-        """Sliding-window attention in blocks of `window` queries against two blocks of keys."""
-        b, l, h, hd = q.shape
+        """Sliding-window attention from the cache's history (or none), per sequence shard."""
         w = self.window
         if cache is None:
-            cache = self.init_cache(b)
+            cache = self.init_cache(q.shape[0])
         p = cache.pos
         # The ring buffer in time order: element i holds position p - (w - 1) + i.
-        hist_k = jnp.roll(cache.k, -(p % (w - 1)), axis=1)
-        hist_v = jnp.roll(cache.v, -(p % (w - 1)), axis=1)
-        nb = -(-l // w)
-        pad = ((0, 0), (0, nb * w - l), (0, 0), (0, 0))
-        # Padding goes at the end, after every real query, so causality already hides it.
-        qp, kp, vp = (jnp.pad(t, pad) for t in (q, k, v))
-        lead = ((0, 0), (1, 0), (0, 0), (0, 0))  # one dummy slot makes the history a full block
-
-        def two_blocks(t, hist):
-            """(b, nb * w, ...) -> (b, nb, 2w, ...): each block preceded by the block before it."""
-            prev = jnp.concatenate([jnp.pad(hist, lead), t[:, : (nb - 1) * w]], axis=1)
-            shape = (b, nb, w, h, hd)
-            return jnp.concatenate([prev.reshape(shape), t.reshape(shape)], axis=2)
-
-        keys, vals = two_blocks(kp, hist_k), two_blocks(vp, hist_v)
-        # Query i of a block and key j of its (prev | own) pair sit at offsets i and j - w from
-        # the block start, so the band i - w < j - w <= i is one static (w, 2w) mask for all blocks.
-        i, j = jnp.arange(w)[:, None], jnp.arange(2 * w)[None]
-        band = (i < j) & (j <= i + w)
-        # Keys before the sequence start (first block's history, position p - w + j < 0) are empty.
-        exists = (jnp.arange(nb)[:, None] > 0) | (p - w + jnp.arange(2 * w)[None] >= 0)  # (nb, 2w)
-        allowed = band[None] & exists[:, None, :]  # (nb, w, 2w)
-        o = attend(qp.reshape(b, nb, w, h, hd), keys, vals, allowed[None, :, None], self.scale)
-        o = o.reshape(b, nb * w, h, hd)[:, :l]
-        # The new cache: the last w - 1 tokens in time order, laid out as the ring buffer.
-        end = p + l
-        last_k = jnp.concatenate([hist_k, k.astype(hist_k.dtype)], axis=1)[:, -(w - 1) :]
-        last_v = jnp.concatenate([hist_v, v.astype(hist_v.dtype)], axis=1)[:, -(w - 1) :]
+        hist_k, hist_v = (jnp.roll(c, -(p % (w - 1)), axis=1) for c in (cache.k, cache.v))
+        o, last_k, last_v = per_device(
+            functools.partial(_window_shard, window=w, scale=self.scale), "xla",
+            dict(q=q, k=k, v=v, hist_k=hist_k, hist_v=hist_v, pos=p),
+            dict(q=HEADS, k=HEADS, v=HEADS, hist_k=HISTORY, hist_v=HISTORY, pos=()),
+            [HEADS, HISTORY, HISTORY], seq_aware=True,
+        )  # fmt: skip
+        # The new cache: the last w - 1 tokens, laid out as the ring buffer.
+        end = p + q.shape[1]
         shift = end % (w - 1)
         return o, KVCache(jnp.roll(last_k, shift, axis=1), jnp.roll(last_v, shift, axis=1), end)
 
@@ -214,3 +206,70 @@ class SlidingWindowAttention(Attention):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs, window=cfg.attention.window)
+
+
+def _shard_start(l: int) -> jax.Array | int:
+    """Global position of this shard's first token (its index times its length l), 0 unsplit."""
+    return jax.lax.axis_index(SEQ) * l if seq_shards() > 1 else 0
+
+
+def _full_shard(q, k, v, *, scale: float) -> jax.Array:
+    """Causal attention of this shard's queries over all keys: K and V all-gathered over "seq"
+    (the quadratic baseline's memory; keys after the shard are masked)."""
+    l = q.shape[1]
+    if seq_shards() > 1:
+        k, v = (jax.lax.all_gather(t, SEQ, axis=1, tiled=True) for t in (k, v))
+    i = _shard_start(l) + jnp.arange(l)[:, None]
+    return attend(q, k, v, i >= jnp.arange(k.shape[1])[None], scale)
+
+
+def _window_shard(q, k, v, hist_k, hist_v, pos, *, window: int, scale: float):
+    """`windowed_attention` of this shard, its history the previous shard's last window - 1 keys
+    and values (a halo; the first shard's: the cache's) -> (o, last window - 1 keys, values)."""
+    l = q.shape[1]
+    if seq_shards() > 1 and l < window - 1:
+        raise ValueError(
+            f"each sequence shard holds {l} positions, fewer than attention.window - 1 = "
+            f"{window - 1}: its history would span several shards; use fewer seq shards, a "
+            "longer sequence or a shorter window"
+        )
+
+    def last(t, hist):
+        """The window - 1 keys (or values) before the next shard, in time order."""
+        return jnp.concatenate([hist, t.astype(hist.dtype)], axis=1)[:, -(window - 1) :]
+
+    hist_k = from_previous_shard(last(k, hist_k), hist_k)
+    hist_v = from_previous_shard(last(v, hist_v), hist_v)
+    o = windowed_attention(q, k, v, hist_k, hist_v, pos + _shard_start(l), window, scale)
+    return o, from_last_shard(last(k, hist_k)), from_last_shard(last(v, hist_v))
+
+
+def windowed_attention(q, k, v, hist_k, hist_v, start, window: int, scale: float) -> jax.Array:
+    """Sliding-window attention in blocks of `window` queries against two blocks of keys.
+
+    q/k/v (b, l, h, d) at positions start ... start + l - 1; hist_k/hist_v (b, window - 1, h, d)
+    the keys and values of the window - 1 positions before (those below 0 are empty)."""
+    b, l, h, hd = q.shape
+    w = window
+    nb = -(-l // w)
+    pad = ((0, 0), (0, nb * w - l), (0, 0), (0, 0))
+    # Padding goes at the end, after every real query, so causality already hides it.
+    qp, kp, vp = (jnp.pad(t, pad) for t in (q, k, v))
+    lead = ((0, 0), (1, 0), (0, 0), (0, 0))  # one dummy slot makes the history a full block
+
+    def two_blocks(t, hist):
+        """(b, nb * w, ...) -> (b, nb, 2w, ...): each block preceded by the block before it."""
+        prev = jnp.concatenate([jnp.pad(hist, lead), t[:, : (nb - 1) * w]], axis=1)
+        shape = (b, nb, w, h, hd)
+        return jnp.concatenate([prev.reshape(shape), t.reshape(shape)], axis=2)
+
+    keys, vals = two_blocks(kp, hist_k), two_blocks(vp, hist_v)
+    # Query i of a block and key j of its (prev | own) pair sit at offsets i and j - w from
+    # the block start, so the band i - w < j - w <= i is one static (w, 2w) mask for all blocks.
+    i, j = jnp.arange(w)[:, None], jnp.arange(2 * w)[None]
+    band = (i < j) & (j <= i + w)
+    # Keys before the sequence start (first block's history, position start - w + j < 0) are empty.
+    exists = (jnp.arange(nb)[:, None] > 0) | (start - w + jnp.arange(2 * w)[None] >= 0)  # (nb, 2w)
+    allowed = band[None] & exists[:, None, :]  # (nb, w, 2w)
+    o = attend(qp.reshape(b, nb, w, h, hd), keys, vals, allowed[None, :, None], scale)
+    return o.reshape(b, nb * w, h, hd)[:, :l]

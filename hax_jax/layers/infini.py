@@ -19,6 +19,12 @@ Choices the paper leaves open or prints differently:
 - RoPE positions count from the segment start: local attention never crosses a segment, so only
   relative positions matter, and small angles keep fp32 RoPE exact on long sequences.
 A segment is retrieved from before it is written (M_{s-1} first, then M_s).
+
+With the sequence split over the mesh's "seq" axis (hax_jax.parallel; whole segments per shard),
+the memory passes between shards: z adds up, and a segment's write is affine in M (linear:
+M + sigma(K)^T V; delta, given z: (I - sigma(K)^T U) M + sigma(K)^T V with rows
+u_t = sigma(K_t) / (sigma(K_t) z + eps)). Each shard composes its segments' maps, an exclusive
+prefix over the shards gives its incoming (M, z), and it scans its segments from there.
 """
 
 import math
@@ -32,9 +38,12 @@ from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.attention import attend
 from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.rope import apply_rope
+from hax_jax.parallel import SEQ, incoming_states, per_device, seq_shards
 from hax_jax.sharding import linear_axes
 
 EPS = 1e-6  # the retrieval denominator's guard (see the module docstring)
+HEADS = ("batch", "seq", "heads", None)  # q, k, v, outputs: (b, l, h, head_dim)
+BUFFER = ("batch", None, "heads", None)  # the cache's partial segment: (b, N, h, head_dim)
 
 
 class InfiniCache(NamedTuple):
@@ -109,12 +118,16 @@ class InfiniAttention(nnx.Module):
 
     def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> InfiniCache:
         """Empty memory, empty segment, position 0; `capacity` is unused (the memory is fixed-size)."""
-        h, hd, n = self.n_heads, self.head_dim, self.seg
+        return self._empty(batch, self.n_heads)
+
+    def _empty(self, batch: int, heads: int) -> InfiniCache:
+        """The empty cache of `heads` heads (a device's share of them inside shard_map)."""
+        hd, n = self.head_dim, self.seg
         return InfiniCache(
-            mem=jnp.zeros((batch, h, hd, hd), jnp.float32),
-            norm=jnp.zeros((batch, h, hd), jnp.float32),
-            k=jnp.zeros((batch, n, h, hd), self.dtype),
-            v=jnp.zeros((batch, n, h, hd), self.dtype),
+            mem=jnp.zeros((batch, heads, hd, hd), jnp.float32),
+            norm=jnp.zeros((batch, heads, hd), jnp.float32),
+            k=jnp.zeros((batch, n, heads, hd), self.dtype),
+            v=jnp.zeros((batch, n, heads, hd), self.dtype),
             pos=jnp.zeros((), jnp.int32),
         )
 
@@ -145,20 +158,54 @@ class InfiniAttention(nnx.Module):
     ):
         """Parallel mode: x (b, l, d) from `cache` (None = fresh) -> (y (b, l, d), cache after x).
 
-        A scan over segments carries (M, z). The tokens are laid out on the segment grid: the cached
-        partial segment's r = pos % N tokens first, then x, then zero padding to whole segments.
-        `mask` (padding) is ignored: padding at the end reaches no real token; `rng` too.
+        `mask` (padding) is ignored: padding at the end reaches no real token; `rng` too. A fresh
+        start runs per sequence shard (see the module docstring); a continuing one as a whole.
         """
         if seq_idx is not None:
             raise ValueError("the infini mixer does not support seq_idx (packed documents)")
-        b, l, _ = x.shape
-        n, h, hd = self.seg, self.n_heads, self.head_dim
-        fresh = cache is None
-        if fresh:
-            cache = self.init_cache(b)
-        r = 0 if fresh else cache.pos % n  # static 0 on a fresh start: no room kept for a prefix
-        total = n * -(-(l + (0 if fresh else n - 1)) // n)
         q, k, v = self._qkv(x)
+        gate = jax.nn.sigmoid(self.beta[...])
+        if cache is None:
+            a, *state = per_device(
+                self._fresh, "xla", dict(q=q, k=k, v=v, gate=gate),
+                dict(q=HEADS, k=HEADS, v=HEADS, gate=("heads",)),
+                [HEADS, ("batch", "heads", None, None), ("batch", "heads", None), BUFFER, BUFFER],
+                seq_aware=True,
+            )  # fmt: skip
+            pos = jnp.asarray(x.shape[1], jnp.int32)
+        else:
+            a, *state = self._scan(q, k, v, gate, cache, cache.pos % self.seg)
+            pos = jnp.asarray(cache.pos + x.shape[1], jnp.int32)
+        return self._out(a), InfiniCache(*state, pos)
+
+    def _fresh(self, q, k, v, gate):
+        """`_scan` from an empty memory; on a sequence shard, from the memory the earlier shards
+        wrote (`incoming_memory`) -> (a, M, z, buffered k, v) after the whole sequence."""
+        b, l, h, _ = q.shape
+        cache = self._empty(b, h)
+        if seq_shards() == 1:
+            return self._scan(q, k, v, gate, cache, 0)
+        if l % self.seg:
+            raise ValueError(
+                f"each sequence shard holds {l} positions, not a whole number of segments "
+                f"(infini.segment_len={self.seg}): the memory passes between shards at segment "
+                "boundaries"
+            )
+        (mem, norm), final = incoming_memory(sigma(k), v, self.seg, self.rule)
+        a, _, _, buf_k, buf_v = self._scan(q, k, v, gate, cache._replace(mem=mem, norm=norm), 0)
+        return a, *final, buf_k, buf_v
+
+    def _scan(self, q, k, v, gate, cache: InfiniCache, r):
+        """q, k, v (b, l, h, hd) after the cache's r = pos % N buffered tokens (a static 0 when
+        fresh: no room kept for them) -> (a (b, l, h, hd) fp32, M, z, buffered k, v).
+
+        A scan over segments carries (M, z). The tokens are laid out on the segment grid: the
+        cached partial segment's r tokens first, then q/k/v, then zero padding to whole segments.
+        """
+        b, l, h, hd = q.shape
+        n = self.seg
+        # A traced r may be anything up to N - 1: the grid keeps room for it.
+        total = n * -(-(l + (0 if isinstance(r, int) else n - 1)) // n)
         in_cache = (jnp.arange(n) < r)[None, :, None, None]
 
         def grid(t, buf=None):
@@ -174,7 +221,6 @@ class InfiniAttention(nnx.Module):
         n_seg = total // n
         complete = (jnp.arange(n_seg) + 1) * n <= end
         causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None]
-        gate = jax.nn.sigmoid(self.beta[...])
         rule = self.rule
 
         @jax.checkpoint  # recompute each segment's attention in the backward pass: O(N) memory each
@@ -204,8 +250,7 @@ class InfiniAttention(nnx.Module):
         keep = ((slot >= start) & (slot < end))[None, :, None, None]
         buf_k = jnp.where(keep, jax.lax.dynamic_slice_in_dim(kg, at, n, axis=1), 0)
         buf_v = jnp.where(keep, jax.lax.dynamic_slice_in_dim(vg, at, n, axis=1), 0)
-        pos = jnp.asarray(cache.pos + l, jnp.int32)
-        return self._out(a), InfiniCache(mem, norm, buf_k, buf_v, pos)
+        return a, mem, norm, buf_k, buf_v
 
     def step(self, x: jax.Array, cache: InfiniCache):
         """Recurrent mode, one token: x (b, d) -> (y (b, d), cache); the segment folds into (M, z)
@@ -227,3 +272,50 @@ class InfiniAttention(nnx.Module):
         state = (cache.mem, cache.norm, buf_k, buf_v)
         mem, norm, buf_k, buf_v = jax.lax.cond(r == n - 1, fold, lambda s: s, state)
         return self._out(a[:, 0]), InfiniCache(mem, norm, buf_k, buf_v, cache.pos + 1)
+
+
+def incoming_memory(sk: jax.Array, v: jax.Array, n: int, rule: str):
+    """((M, z) entering this shard, (M, z) after the last shard) from an empty memory, each shard
+    writing its whole segments of n tokens (sigma(K) sk, V v: (b, l, h, hd)) by `rule`."""
+    b, l, h, dk = sk.shape
+    sk_bcshk = sk.reshape(b, l // n, n, h, dk)
+    v_bcshv = v.astype(jnp.float32).reshape(b, l // n, n, h, v.shape[-1])
+    z_bchk = jnp.sum(sk_bcshk, axis=2)  # each segment's addition to z
+    one = jnp.ones((), jnp.float32)
+    if rule == "linear":  # eq. 4: writes add up, so M and z pass as one sum (one all-gather)
+        writes = jnp.einsum("bcshk,bcshv->bhkv", sk_bcshk, v_bcshv)
+        packed = jnp.concatenate([writes, jnp.sum(z_bchk, axis=1)[..., None]], axis=-1)
+        before, after = incoming_states(one, packed)
+        return (before[..., :-1], before[..., -1]), (after[..., :-1], after[..., -1])
+    # Delta (eq. 5): z still adds up; given z at a segment's start its write is affine in M,
+    # M -> (I - sigma(K)^T U) M + sigma(K)^T V with rows u_t = sigma(K_t) / (sigma(K_t) z + eps).
+    z_in, z_end = incoming_states(one, jnp.sum(z_bchk, axis=1))
+    # z at each segment's start: the incoming z plus this shard's earlier segments' additions.
+    z_before_bchk = jnp.cumsum(jnp.pad(z_bchk[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), axis=1)
+    den_bcsh = jnp.einsum("bcshk,bchk->bcsh", sk_bcshk, z_in[:, None] + z_before_bchk) + EPS
+    u_bcshk = sk_bcshk / den_bcsh[..., None]
+    eye = jnp.eye(dk, dtype=jnp.float32)
+    trans_cbhkj = jnp.moveaxis(eye - jnp.einsum("bcshk,bcshj->bchkj", sk_bcshk, u_bcshk), 1, 0)
+    offset_cbhkv = jnp.moveaxis(jnp.einsum("bcshk,bcshv->bchkv", sk_bcshk, v_bcshv), 1, 0)
+
+    def then(acc, seg):
+        """The shard's map so far, followed by one more segment's."""
+        (trans, offset), (t, o) = acc, seg
+        return (t @ trans, t @ offset + o), None
+
+    start = (jnp.broadcast_to(eye, trans_cbhkj.shape[1:]), jnp.zeros_like(offset_cbhkv[0]))
+    (trans, offset), _ = jax.lax.scan(then, start, (trans_cbhkj, offset_cbhkv))
+    mem_in, mem_end = _incoming_affine(trans, offset)
+    return (mem_in, z_in), (mem_end, z_end)
+
+
+def _incoming_affine(trans: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`incoming_states` for matrix maps M -> trans @ M + offset ((..., k, k), (..., k, v)) from
+    M = 0: one all-gather of the shards' maps, then S compositions on every shard."""
+    k = trans.shape[-1]
+    packed = jax.lax.all_gather(jnp.concatenate([trans, offset], axis=-1), SEQ)
+    mem, entering = jnp.zeros_like(offset), []
+    for s in range(seq_shards()):
+        entering.append(mem)
+        mem = packed[s, ..., :k] @ mem + packed[s, ..., k:]
+    return jnp.stack(entering)[jax.lax.axis_index(SEQ)], mem

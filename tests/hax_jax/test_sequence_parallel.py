@@ -2,10 +2,15 @@
 
 The SSM mixers pass their states between shards (hax_jax.parallel): each shard scans from a zero
 state, the shards' (decay, final state) pairs are combined over "seq", the conv takes a halo from
-the previous shard. Checked on the 8 simulated CPU devices of tests/conftest.py, with shards of 8
-positions (several SSD chunks of 4, windows, segments and sparse-attention histories crossing
-shard boundaries), and packed documents whose boundaries fall inside and at the edge of a shard.
+the previous shard; sliding windows take a halo of keys and values, full attention all-gathers
+them, Infini-attention passes its memory. Checked on the 8 simulated CPU devices of
+tests/conftest.py, with shards of 8 positions (several SSD chunks of 4, windows and
+sparse-attention histories crossing shard boundaries, whole Infini segments), and packed
+documents whose boundaries fall inside and at the edge of a shard.
 """
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +39,9 @@ CPUS = jax.devices("cpu")
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _cfg(pattern: tuple[str, ...], sparse: str = "") -> ModelConfig:
-    """A tiny LM: chunks of 4, windows of 6 and segments of 12 so 8-position shards cut them."""
+def _cfg(pattern: tuple[str, ...], sparse: str = "", infini: str = "linear") -> ModelConfig:
+    """A tiny LM: chunks of 4 and windows of 6 so 8-position shards cut them; segments of 8 (an
+    Infini-attention shard holds whole segments), so seq = 2 and 4 pass the memory after several."""
     return ModelConfig(
         d_model=32,
         n_layer=len(pattern),
@@ -45,7 +51,7 @@ def _cfg(pattern: tuple[str, ...], sparse: str = "") -> ModelConfig:
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=4),
         sparse=SparseConfig(pattern=sparse, num_keys=8, hash_bits=2, max_len=L),
         attention=AttentionConfig(n_heads=2, window=6),
-        infini=InfiniConfig(n_heads=2, segment_len=12),
+        infini=InfiniConfig(n_heads=2, segment_len=8, update=infini),
     )
 
 
@@ -83,8 +89,10 @@ def _rel_diff(a, b, floor: float = 0.0) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor, 1e-30))
 
 
-def _check_split_equals_one_device(cfg: ModelConfig, mesh_sizes, with_seq_idx: bool):
-    """Loss and every gradient under the mesh equal the one-device ones (RTOL per array)."""
+@functools.cache
+def _one_device(cfg: ModelConfig, with_seq_idx: bool):
+    """Params, inputs, the jitted loss-and-grad and its one-device values: once per model (the
+    meshes of a parametrized test share them)."""
     with jax.default_device(CPUS[0]):
         model = LanguageModel(cfg, rngs=nnx.Rngs(1))
         keys = jax.random.split(jax.random.key(2))
@@ -93,14 +101,19 @@ def _check_split_equals_one_device(cfg: ModelConfig, mesh_sizes, with_seq_idx: b
     state = nnx.state(model, nnx.Param)
     params, seq_idx = nnx.to_pure_dict(state), jnp.asarray(_seq_idx())
     loss_and_grad = _loss_and_grads(cfg, with_seq_idx)
-    want_loss, want_grads = loss_and_grad(params, tokens, targets, seq_idx)
+    want = loss_and_grad(params, tokens, targets, seq_idx)
+    return state, params, (tokens, targets, seq_idx), loss_and_grad, want
 
+
+def _check_split_equals_one_device(cfg: ModelConfig, mesh_sizes, with_seq_idx: bool):
+    """Loss and every gradient under the mesh equal the one-device ones (RTOL per array)."""
+    state, params, inputs, loss_and_grad, (want_loss, want_grads) = _one_device(cfg, with_seq_idx)
     data, seq, tensor = mesh_sizes
     mesh = sharding.make_mesh(MeshConfig(data=data, seq=seq, tensor=tensor), CPUS)
     rows = NamedSharding(mesh, P("data", "seq"))
     placed = jax.device_put(params, sharding.param_shardings_dict(state, mesh))
     with jax.set_mesh(mesh):
-        args = (jax.device_put(a, rows) for a in (tokens, targets, seq_idx))
+        args = (jax.device_put(a, rows) for a in inputs)
         loss, grads = loss_and_grad(placed, *args)
     assert _rel_diff(loss, want_loss) < RTOL
     # Per array, relative to its own scale or to 1% of the largest gradient (arrays whose exact
@@ -123,3 +136,37 @@ def test_ssm_mixers(mesh_sizes):
 def test_mamba2_packed_documents(mesh_sizes):
     """seq_idx: a boundary inside a shard or at its edge resets the passed state and halo."""
     _check_split_equals_one_device(_cfg(("mamba2", "mlp")), mesh_sizes, True)
+
+
+ATTENTION = {
+    "attention+swa+infini": (("attention", "swa", "infini"), "linear"),
+    "infini_delta": (("infini",), "delta"),
+}
+
+
+@pytest.mark.parametrize("mesh_sizes", list(MESHES.values()), ids=list(MESHES))
+@pytest.mark.parametrize("model", list(ATTENTION))
+def test_attention_mixers(model, mesh_sizes):
+    """Full attention (K, V all-gathered), sliding windows (a halo of window - 1 keys, values)
+    and Infini-attention (the memory passed by its linear or delta rule)."""
+    pattern, rule = ATTENTION[model]
+    _check_split_equals_one_device(_cfg(pattern, infini=rule), mesh_sizes, False)
+
+
+@pytest.mark.parametrize(
+    "kind, settings, message",
+    [
+        ("swa", dict(attention=AttentionConfig(n_heads=2, window=12)),
+         "holds 8 positions, fewer than attention.window - 1 = 11"),
+        ("infini", dict(infini=InfiniConfig(n_heads=2, segment_len=16)),
+         "holds 8 positions, not a whole number of segments .infini.segment_len=16."),
+    ],
+    ids=["swa", "infini"],
+)  # fmt: skip
+def test_shards_too_short_for_the_mixer(kind, settings, message):
+    """A window's history spanning several shards, or a segment cut by a shard, is an error."""
+    cfg = dataclasses.replace(_cfg((kind,)), **settings)
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    mesh = sharding.make_mesh(MeshConfig(data=1, seq=8, tensor=1), CPUS)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
+        jax.eval_shape(model, jnp.zeros((B, L), jnp.int32))

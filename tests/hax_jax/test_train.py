@@ -47,6 +47,7 @@ ALL_KINDS = [
     "model.d_model=32",
     "model.vocab_size=64",
     "model.mamba2.headdim=8",
+    "model.mamba2.chunk_size=8",  # seq = 2 shards of 16 positions: whole chunks
     "model.attention.window=8",
     "model.infini.segment_len=8",
     "data.task=mqar",
