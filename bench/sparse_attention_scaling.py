@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_kernels.sparse_attention import (  # noqa: E402
+    SparseSpec,
     sparse_attention,
     sparse_attention_reference,
 )
@@ -40,6 +41,14 @@ def make_inputs(l, n, e, hash_bits, seed=0):
         hash_proj=normal(n, hash_bits),
         key_scores=normal(1, l),
         w=normal(1, l, e),
+    )
+
+
+def dense_reference(q, k, v, *, pattern, num_keys, hash_proj, key_scores, binning):
+    """`sparse_attention_reference` called as `sparse_attention` is (settings as keywords)."""
+    spec = SparseSpec(pattern, num_keys, hash_bits=hash_proj.shape[1], binning=binning)
+    return sparse_attention_reference(
+        q, k, v, spec=spec, hash_proj=hash_proj, key_scores=key_scores
     )
 
 
@@ -190,9 +199,7 @@ def main():
         sparse = measure(sparse_attention, l, args)
         dense = (None, None)
         if l <= args.dense_max:
-            dense = measure(
-                sparse_attention_reference, l, args, budget_bytes=args.dense_budget_gib * 2**30
-            )
+            dense = measure(dense_reference, l, args, budget_bytes=args.dense_budget_gib * 2**30)
         rows.append(dict(l=l, sparse=sparse, dense=dense))
         print(f"l={l}: sparse {sparse}, dense {dense}", file=sys.stderr, flush=True)
     text = section(rows, args)

@@ -89,6 +89,7 @@ def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0) -> dict:
         state, metrics = trainer.step_fn(state, batch)
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - start
+        print(f"{name}: compiled and ran the first step in {compile_s:.1f} s", flush=True)
         start = time.perf_counter()
         for _ in range(steps):
             state, metrics = trainer.step_fn(state, batch)

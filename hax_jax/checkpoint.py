@@ -13,6 +13,9 @@ from hax_jax.models.lm import LanguageModel
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
+# Settings that trade memory for compute and leave the numbers alone: a run may resume with others
+# (remat switched on after running out of memory), or from a checkpoint written before they existed.
+MEMORY_SETTINGS = ("model.remat", "model.loss_chunk")
 
 
 def abstract_model(cfg: ModelConfig) -> LanguageModel:
@@ -148,6 +151,7 @@ def check_resumable(saved: dict, cfg, where: str) -> None:
     current = config_lib.to_dict(cfg)
     for section in ("model", "data"):
         diffs = _diff(saved.get(section, {}), current[section], section)
+        diffs = [d for d in diffs if d.partition(":")[0] not in MEMORY_SETTINGS]
         if diffs:
             raise ValueError(
                 f"{where} holds a checkpoint of another {section} config ("

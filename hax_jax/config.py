@@ -13,20 +13,29 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from pallas_kernels.sparse_attention import SparseSpec
+
 MIXER_KINDS = ("mamba", "mamba2", "attention", "swa", "mlp", "infini")
-SPARSE_COMPONENTS = ("sw", "sink", "dilated", "lsh", "ks", "full")
 # Tokens a decode cache holds unless init_cache is asked for more (full attention's KV buffer and the
 # sparse branch's key/value buffers grow with it; SSM states, windows and memories do not).
 DEFAULT_CAPACITY = 4096
+# remat="auto" recomputes every block in the backward for rows of at least this many tokens. The
+# 130M step at 1 x 32768 tokens held 35 GiB on one GPU (ENV.md; ~1.1 MB a token, mostly saved
+# activations), so from 8192 tokens a row a batch of 8 rows outgrows an 80 GB GPU, while the
+# 8 x 2048 steps fit and are spared the extra forward. H200, Mamba-2 130M, 1 x 32768, whole-row
+# loss: 118.8 ms / 35.0 GiB without remat, 145.4 ms / 13.1 GiB with.
+REMAT_MIN_LEN = 8192
+# loss_chunk=0 (auto): the most fp32 logits (b, l, padded vocab) one device computes at once. The
+# 130M step at 8 x 2048 (3.3 GB at a 50288 vocab) stays whole; 1 x 1M tokens (211 GB) goes in 64
+# chunks. H200, 1 x 32768 with remat: 2 chunks 152.1 ms / 8.7 GiB, whole rows 145.4 ms / 13.1 GiB.
+LOGITS_BUDGET = 4 * 2**30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SparseConfig:
     """The sparse-attention branch beside every mamba / mamba2 mixer (HAX paper §4; SPEC §1.3)."""
 
-    pattern: str = (
-        ""  # "" = no branch; else '+'-joined components of SPARSE_COMPONENTS ("lsh+ks" = HAX)
-    )
+    pattern: str = ""  # "" = no branch; else '+'-joined components ("lsh+ks" = HAX; see SparseSpec)
     num_keys: int = 64  # keys per query over all components; each gets num_keys // n_components
     hash_bits: int = 8  # lsh: h random projections (2^h sign-bit buckets, or h argmax buckets)
     binning: Literal["sign", "argmax"] = "sign"  # lsh bucket rule (paper eqs. 6-7)
@@ -39,26 +48,24 @@ class SparseConfig:
     impl: Literal["auto", "indexed", "pallas"] = "auto"  # op impl; auto: Pallas on GPU
 
     def __post_init__(self):
+        """A set pattern must describe a valid attention: building its spec checks every setting."""
         if self.pattern:
-            parts = self.pattern.split("+")
-            for part in parts:
-                if part not in SPARSE_COMPONENTS:
-                    raise ValueError(
-                        f"unknown sparse component {part!r} in sparse.pattern={self.pattern!r}; "
-                        f"known: {SPARSE_COMPONENTS}"
-                    )
-            if len(set(parts)) != len(parts):
-                raise ValueError(f"sparse.pattern={self.pattern!r} repeats a component")
-            if "full" in parts and len(parts) > 1:
-                raise ValueError(f"sparse.pattern={self.pattern!r}: 'full' cannot be combined")
-            if self.num_keys < len(parts):
-                raise ValueError(
-                    f"sparse.num_keys={self.num_keys} is below the {len(parts)} components"
-                )
-        if self.hash_bits < 1 or (self.binning == "sign" and self.hash_bits > 30):
-            raise ValueError(
-                f"sparse.hash_bits={self.hash_bits} must be in [1, 30] for sign binning"
+            _ = self.spec
+
+    @property
+    def spec(self) -> SparseSpec:
+        """The attention these settings describe; a ValueError naming model.sparse if invalid."""
+        try:
+            return SparseSpec(
+                self.pattern,
+                self.num_keys,
+                hash_bits=self.hash_bits,
+                binning=self.binning,
+                max_len=self.max_len,
+                official_code=self.official_code,
             )
+        except ValueError as err:
+            raise ValueError(f"model.sparse: {err}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,6 +154,13 @@ class ModelConfig:
     residual_in_fp32: bool = True  # keep the residual stream in fp32 whatever the compute dtype
     norm_eps: float = 1e-5  # RMSNorm epsilon (block norms, final norm, Mamba-2 gated norm)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype; params are fp32
+    # The backward's memory: "block" keeps each residual block's input only and recomputes the
+    # rest of the block; "none" keeps what autodiff saves; "auto" = "block" for rows of at least
+    # REMAT_MIN_LEN tokens.
+    remat: Literal["auto", "none", "block"] = "auto"
+    # Positions per row whose logits the loss computes at once (more wait in a scan under
+    # jax.checkpoint, so neither pass holds (b, l, vocab) logits); 0 = auto, under LOGITS_BUDGET.
+    loss_chunk: int = 0
     mamba: MambaConfig = MambaConfig()  # settings of every "mamba" layer
     mamba2: Mamba2Config = Mamba2Config()  # settings of every "mamba2" layer
     sparse: SparseConfig = (
@@ -160,6 +174,8 @@ class ModelConfig:
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"model.loss_chunk must be >= 0 (0 = auto), got {self.loss_chunk}")
         if not self.block_pattern:
             raise ValueError("model.block_pattern must name at least one mixer kind")
         for kind in self.block_pattern:

@@ -23,7 +23,7 @@ from jax.sharding import AxisType, PartitionSpec
 from hax_jax.sharding import current_mesh, logical_to_spec
 from pallas_kernels import backend
 from pallas_kernels.selective_scan import selective_scan
-from pallas_kernels.sparse_attention import carry, sparse_attention
+from pallas_kernels.sparse_attention import SparseSpec, carry, sparse_attention
 from pallas_kernels.ssd import ssd
 
 SEQ = "seq"
@@ -174,8 +174,11 @@ def incoming_states(
     shards = seq_shards()
     if shards == 1:
         return h, decay * h + final
-    decays = jax.lax.all_gather(decay, SEQ)
-    finals = jax.lax.all_gather(final, SEQ)
+    # One all-gather of both (flattened side by side): one collective per scan, not two.
+    packed = jnp.concatenate([decay.astype(final.dtype).reshape(-1), final.reshape(-1)])
+    packed = jax.lax.all_gather(packed, SEQ)
+    decays = packed[:, : decay.size].reshape(shards, *decay.shape)
+    finals = packed[:, decay.size :].reshape(shards, *final.shape)
     entering = []
     for s in range(shards):
         entering.append(h)
@@ -204,8 +207,11 @@ def ssd_sequence_parallel(
     log_decay_blh = jnp.cumsum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)
     decay_blh = jnp.exp(log_decay_blh) * _continues_document(seq_idx, b, l)[..., None]
     h_in, h_final = incoming_states(decay_blh[:, -1, :, None, None], final, initial_state)
-    h_in_bgrpn = h_in.reshape(b, g, h // g, p, n)
-    y_in_blgrp = jnp.einsum("blgn,bgrpn->blgrp", C.astype(jnp.float32), h_in_bgrpn)
+    # The matmul in C's dtype with fp32 accumulation, as the SSD kernels read passed states.
+    h_in_bgrpn = h_in.reshape(b, g, h // g, p, n).astype(C.dtype)
+    y_in_blgrp = jnp.einsum(
+        "blgn,bgrpn->blgrp", C, h_in_bgrpn, preferred_element_type=jnp.float32
+    )
     y_in_blhp = y_in_blgrp.reshape(b, l, h, p) * decay_blh[..., None]
     return (y.astype(jnp.float32) + y_in_blhp).astype(y.dtype), h_final
 
@@ -282,10 +288,10 @@ def _cumsum_shard(x):
 
 
 def sparse_attention_sequence_parallel(
-    q, k, v, hash_proj, key_scores, *, pattern, num_keys, max_len, hash_bits, binning,
-    official_code, impl,
-) -> jax.Array:  # fmt: skip
-    """`pallas_kernels.sparse_attention` of this shard's queries over the whole prefix.
+    q, k, v, hash_proj, key_scores, *, spec: SparseSpec, impl
+) -> jax.Array:
+    """`pallas_kernels.sparse_attention` (of the attention `spec`) of this shard's queries over
+    the whole prefix.
 
     One device (or an unsplit "seq"): the op itself. A split sequence: every shard publishes the
     keys later queries may select from it (`carry.summarise`: per LSH bucket the kc most recent,
@@ -293,33 +299,36 @@ def sparse_attention_sequence_parallel(
     contents), the summaries are all-gathered over "seq", and each shard's queries merge the
     earlier shards' into their own candidates (`carry.attend_with_carry`). LSH centring uses
     the earlier shards' sums of q and k. "full" all-gathers K and V (the quadratic ceiling)."""
-    settings = dict(pattern=pattern, num_keys=num_keys, max_len=max_len, binning=binning)
     shards = seq_shards()
     if shards == 1:
         return sparse_attention(
-            q, k, v, hash_proj=hash_proj, key_scores=key_scores, official_code=official_code,
-            impl=impl, **settings,
-        )  # fmt: skip
-    if official_code:
+            q, k, v, spec=spec, hash_proj=hash_proj, key_scores=key_scores, impl=impl
+        )
+    if spec.official_code:
         raise ValueError(
             "sparse.official_code=True reads the whole sequence (non-causal centring and "
             "normalisation): it cannot run with the sequence split over mesh.seq > 1"
         )
     b, l, _ = q.shape
     offset = jax.lax.axis_index(SEQ) * l
-    if pattern == "full":
+    if spec.pattern == "full":
         k_all, v_all = (jax.lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, v))
         return carry.full_attention_after(q, k_all, v_all, offset)
     zeros = jnp.zeros((b, q.shape[-1]), jnp.float32)
     q_sum_in = k_sum_in = zeros
     bucket_k = None
-    if "lsh" in pattern.split("+"):
-        q_sum_in, _ = incoming_states(jnp.ones((), jnp.float32), jnp.sum(q.astype(jnp.float32), 1))
-        k_sum_in, _ = incoming_states(jnp.ones((), jnp.float32), jnp.sum(k.astype(jnp.float32), 1))
-        bucket_k = carry.buckets_after(k, k_sum_in, offset, hash_proj, binning)
-    summary = carry.summarise(k, v, key_scores, bucket_k, offset, hash_bits=hash_bits, **settings)
-    gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, SEQ, axis=1, tiled=True), summary)
+    if spec.has("lsh"):
+        sums = jnp.sum(jnp.concatenate([q, k], axis=-1).astype(jnp.float32), axis=1)
+        q_sum_in, k_sum_in = jnp.split(incoming_states(jnp.ones(()), sums)[0], 2, axis=-1)
+        bucket_k = carry.buckets_after(k, k_sum_in, offset, hash_proj, spec.binning)
+    summary = carry.summarise(k, v, key_scores, bucket_k, offset, spec)
+    # Keys and values travel as one array (one all-gather, one reduce-scatter back).
+    n = k.shape[-1]
+    kv = jnp.concatenate([summary.k, summary.v.astype(summary.k.dtype)], axis=-1)
+    pos, score, kv = (jax.lax.all_gather(x, SEQ, axis=1, tiled=True)
+                      for x in (summary.pos, summary.score, kv))  # fmt: skip
+    gathered = carry.Summary(pos, kv[..., :n], kv[..., n:].astype(v.dtype), score)
     return carry.attend_with_carry(
-        q, k, v, key_scores, hash_proj, gathered, offset=offset, shards=shards,
-        q_sum_in=q_sum_in, k_sum_in=k_sum_in, hash_bits=hash_bits, **settings,
+        q, k, v, key_scores, hash_proj, gathered, spec=spec, offset=offset, shards=shards,
+        q_sum_in=q_sum_in, k_sum_in=k_sum_in,
     )  # fmt: skip

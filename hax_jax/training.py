@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from hax_jax.models.lm import rank_loss_sum
+from hax_jax.loss import chunk_count, token_nll_chunked
+from hax_jax.models.lm import LanguageModel, rank_loss_sum
 
 
 @flax.struct.dataclass
@@ -37,32 +38,31 @@ def init_state(params: dict, tx: optax.GradientTransformation, seed: int) -> Tra
     )
 
 
-def per_sample_accuracy(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """(accuracy of each row over its loss_mask positions, whether the row has any), both (b,)."""
+def per_sample_accuracy(predictions: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(accuracy of each row's `predictions` (b, l) over its loss_mask, whether it has any)."""
     mask = batch["loss_mask"].astype(bool)
-    hits = (jnp.argmax(logits, -1) == batch["labels"]) & mask
+    hits = (predictions == batch["labels"]) & mask
     counts = mask.sum(-1)
     return hits.sum(-1) / jnp.maximum(counts, 1), counts > 0
 
 
-def _token_nll(logits: jax.Array, batch: dict) -> jax.Array:
-    """Cross-entropy at every position (b, l), fp32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+def token_stats(model: LanguageModel, batch: dict, rng=None) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy, argmax) at every position (b, l), the logits a chunk at a time (loss.py)."""
+    h, _ = model.hidden(
+        batch["inputs"], seq_idx=batch.get("seq_idx"), mask=batch["real"].astype(bool), rng=rng
+    )
+    n_chunks = chunk_count((*h.shape[:2], model.cfg.padded_vocab_size), model.cfg.loss_chunk)
+    return token_nll_chunked(h, batch["labels"], model.head, n_chunks)
 
 
 def loss_fn(params: dict, graphdef, batch: dict, rng: jax.Array, rank_loss_weight: float):
     """Task loss (mean NLL over loss_mask positions) + alpha * the layers' ranking losses."""
     model = nnx.merge(graphdef, params)
-    logits, sown = nnx.capture(model, nnx.Intermediate)(
-        batch["inputs"],
-        seq_idx=batch.get("seq_idx"),
-        mask=batch["real"].astype(bool),
-        rng=rng,
-    )
+    (nll, predictions), sown = nnx.capture(token_stats, nnx.Intermediate)(model, batch, rng)
     mask = batch["loss_mask"].astype(jnp.float32)
-    task = jnp.sum(_token_nll(logits, batch) * mask) / jnp.maximum(mask.sum(), 1.0)
+    task = jnp.sum(nll * mask) / jnp.maximum(mask.sum(), 1.0)
     rank = rank_loss_sum(sown)
-    accuracy, has = per_sample_accuracy(logits, batch)
+    accuracy, has = per_sample_accuracy(predictions, batch)
     metrics = {
         "task_loss": task,
         "rank_loss": rank,
@@ -99,19 +99,16 @@ def train_step(
 
 def eval_step(params: dict, batch: dict, *, graphdef) -> dict:
     """Sums over the batch (rows with weight 0 are padding): per-row accuracy, rows, NLL, hits, tokens."""
-    model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], seq_idx=batch.get("seq_idx"), mask=batch["real"].astype(bool))
+    nll, predictions = token_stats(nnx.merge(graphdef, params), batch)
     weight = batch["weight"].astype(jnp.float32)
-    accuracy, has = per_sample_accuracy(logits, batch)
+    accuracy, has = per_sample_accuracy(predictions, batch)
     rows = has * weight
     mask = batch["loss_mask"].astype(jnp.float32) * weight[:, None]
-    hits = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
+    hits = (predictions == batch["labels"]).astype(jnp.float32)
     return {
         "accuracy_sum": jnp.sum(accuracy * rows),
         "rows": jnp.sum(rows),
-        "nll_sum": jnp.sum(_token_nll(logits, batch) * mask),
-        "hits": jnp.sum(
-            hits * mask
-        ),  # token-level accuracy = hits / tokens (Zoology's MQAR metric)
+        "nll_sum": jnp.sum(nll * mask),
+        "hits": jnp.sum(hits * mask),  # token accuracy = hits / tokens (Zoology's MQAR metric)
         "tokens": jnp.sum(mask),
     }

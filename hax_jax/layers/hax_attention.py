@@ -25,6 +25,18 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_step,
 )
 
+# The logical axes of each argument of the parallel op (parallel.sparse_attention_sequence_parallel)
+# and of its output: a device attends for its batch rows and its slice of e (q, k whole); a split
+# "seq" is the op's own to combine.
+ATTEND_AXES = {
+    "q": ("batch", "seq", None),
+    "k": ("batch", "seq", None),
+    "v": ("batch", "seq", "inner"),
+    "hash_proj": (None, None),
+    "key_scores": ("batch", "seq"),
+}
+ATTEND_OUT_AXES = [("batch", "seq", "inner")]
+
 
 def l2_normalize(x: jax.Array, axis: int = -1) -> jax.Array:
     """x / max(||x||, 1e-12) along `axis` (torch.nn.functional.normalize)."""
@@ -96,10 +108,9 @@ class HaxBranch(nnx.Module):
     """qk projection, the sparse attention over (Q, K, V = x), the per-channel gate E, and the scorer."""
 
     def __init__(self, cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
-        s = cfg.sparse
-        self.cfg, self.d_state, self.d_inner = s, d_state, d_inner
-        self.components = tuple(s.pattern.split("+"))
-        self.keys_per_component = s.num_keys // len(self.components)
+        # The attention is described once, by the spec every op call below takes.
+        self.cfg, self.spec = cfg.sparse, cfg.sparse.spec
+        self.d_state, self.d_inner = d_state, d_inner
         # q/k contract the split d_inner: one more all-reduce under tensor parallelism (SPEC §3).
         self.qk_proj = nnx.Linear(
             d_inner,
@@ -111,7 +122,7 @@ class HaxBranch(nnx.Module):
             **linear_axes("inner", "state"),
         )
         self.E = nnx.Param(jnp.ones((d_inner,), jnp.float32), logical_axes=("inner",))
-        self.scorer = KeyScorer(d_state, rngs=rngs) if "ks" in self.components else None
+        self.scorer = KeyScorer(d_state, rngs=rngs) if self.spec.has("ks") else None
 
     def _qk(self, x: jax.Array):
         """x (..., e) -> q, k (..., N), with K scaled by 1/sqrt(N)."""
@@ -120,10 +131,10 @@ class HaxBranch(nnx.Module):
 
     def _hash_proj(self, rng: jax.Array | None) -> jax.Array | None:
         """H ~ N(0, 1) (N, h): resampled from `rng` in training, fixed by eval_hash_seed otherwise."""
-        if "lsh" not in self.components:
+        if not self.spec.has("lsh"):
             return None
         key = jax.random.key(self.cfg.eval_hash_seed) if rng is None else rng
-        return jax.random.normal(key, (self.d_state, self.cfg.hash_bits), jnp.float32)
+        return jax.random.normal(key, (self.d_state, self.spec.hash_bits), jnp.float32)
 
     def _key_scores(self, q_bln: jax.Array, k_bln: jax.Array) -> jax.Array | None:
         """Scores of every key from the causal prefix sum of queries (the official code: sequence-normalised)."""
@@ -148,30 +159,19 @@ class HaxBranch(nnx.Module):
         return o * self.E[...].astype(o.dtype)
 
     def _attend(self, q, k, x, hash_proj, scores) -> jax.Array:
-        """The sub-quadratic op: q, k (b, l, N), V = x (b, l, e), scores (b, l) -> o (b, l, e).
-        On a mesh each device attends for its batch rows and its slice of e (q, k whole)."""
-
+        """The sub-quadratic op: q, k (b, l, N), V = x (b, l, e), scores (b, l) -> o (b, l, e),
+        per device under a mesh (see ATTEND_AXES)."""
         attend = functools.partial(
-            sparse_attention_sequence_parallel, pattern=self.cfg.pattern,
-            num_keys=self.cfg.num_keys, max_len=self.cfg.max_len, hash_bits=self.cfg.hash_bits,
-            binning=self.cfg.binning, official_code=self.cfg.official_code, impl=self.cfg.impl,
-        )  # fmt: skip
+            sparse_attention_sequence_parallel, spec=self.spec, impl=self.cfg.impl
+        )
         key_scores = None if scores is None else jax.lax.stop_gradient(scores)
-        rows = ("batch", "seq", None)
-        return per_device(
-            attend,
-            self.cfg.impl,
-            dict(q=q, k=k, v=x, hash_proj=hash_proj, key_scores=key_scores),
-            dict(q=rows, k=rows, v=("batch", "seq", "inner"), hash_proj=(None, None),
-                 key_scores=("batch", "seq")),
-            [("batch", "seq", "inner")],
-            seq_aware=True,
-        )  # fmt: skip
+        args = dict(q=q, k=k, v=x, hash_proj=hash_proj, key_scores=key_scores)
+        return per_device(attend, self.cfg.impl, args, ATTEND_AXES, ATTEND_OUT_AXES, seq_aware=True)
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:
         """Samples kc candidate keys per sequence uniformly without replacement (never padding) and ranks them."""
         b, l = scores.shape
-        kc = min(self.keys_per_component, l)
+        kc = min(self.spec.keys_per_component, l)
         noise = jax.random.uniform(rng, (b, l))
         if mask is not None:
             noise = jnp.where(mask, noise, -1.0)
@@ -203,16 +203,7 @@ class HaxBranch(nnx.Module):
         hash_proj = self._hash_proj(None)
         o = self._attend(q, k, x, hash_proj, scores)
         cache = prefill_cache(
-            q,
-            k,
-            x,
-            cache,
-            pattern=self.cfg.pattern,
-            num_keys=self.cfg.num_keys,
-            hash_proj=hash_proj,
-            key_scores=scores,
-            max_len=self.cfg.max_len,
-            binning=self.cfg.binning,
+            q, k, x, cache, spec=self.spec, hash_proj=hash_proj, key_scores=scores
         )
         return o * self.E[...].astype(o.dtype), cache
 
@@ -230,17 +221,7 @@ class HaxBranch(nnx.Module):
 
     def init_cache(self, batch: int, capacity: int, dtype) -> SparseAttentionCache:
         """An empty decode cache holding up to `capacity` tokens."""
-        return init_cache(
-            batch,
-            capacity,
-            self.d_state,
-            self.d_inner,
-            pattern=self.cfg.pattern,
-            num_keys=self.cfg.num_keys,
-            hash_bits=self.cfg.hash_bits,
-            binning=self.cfg.binning,
-            dtype=dtype,
-        )
+        return init_cache(batch, capacity, self.d_state, self.d_inner, spec=self.spec, dtype=dtype)
 
     def step(self, x: jax.Array, cache: SparseAttentionCache):
         """Recurrent mode: x (b, e) -> (o * E (b, e), cache); O(num_keys * (N + e)) per token."""
@@ -251,16 +232,7 @@ class HaxBranch(nnx.Module):
         if self.scorer is not None:
             score = self.scorer(k, l2_normalize(cache.q_sum + q.astype(jnp.float32)))
         o, cache = sparse_attention_step(
-            q,
-            k,
-            x,
-            cache,
-            pattern=self.cfg.pattern,
-            num_keys=self.cfg.num_keys,
-            hash_proj=self._hash_proj(None),
-            key_score=score,
-            max_len=self.cfg.max_len,
-            binning=self.cfg.binning,
+            q, k, x, cache, spec=self.spec, hash_proj=self._hash_proj(None), key_score=score
         )
         return o * self.E[...].astype(o.dtype), cache
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, REMAT_MIN_LEN, ModelConfig
 from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 from hax_jax.sharding import linear_axes, shard
@@ -17,6 +17,19 @@ def rank_loss_sum(intermediates) -> jax.Array:
     Training adds cfg.sparse.rank_loss_weight times this to the task loss (HAX paper eq. 18).
     """
     return sum((jnp.sum(x) for x in jax.tree.leaves(intermediates)), jnp.zeros((), jnp.float32))
+
+
+def _block(layer: ResidualBlock, x, cache, seq_idx, mask, rng):
+    """One residual block in parallel mode, as a function of the block (what nnx.remat wraps)."""
+    return layer(x, cache=cache, seq_idx=seq_idx, mask=mask, rng=rng)
+
+
+# Saves nothing inside a block: the backward keeps each block's input (the residual stream,
+# b x l x d) and recomputes the block. Saving the matmul outputs too
+# (dots_with_no_batch_dims_saveable) would keep in_proj's (b, l, 2e + 2gn + h), several times the
+# residual, at every layer: the memory remat is there to save.
+# nnx.remat (not jax.checkpoint) carries the sown ranking loss out to nnx.capture.
+_remat_block = nnx.remat(_block, policy=jax.checkpoint_policies.nothing_saveable)
 
 
 class LanguageModel(nnx.Module):
@@ -66,7 +79,18 @@ class LanguageModel(nnx.Module):
 
         Used for training (cache ignored), prefill and chunked prefill.
         """
+        h, caches = self.hidden(tokens, cache=cache, seq_idx=seq_idx, mask=mask, rng=rng)
+        return shard(self.head(h), "batch", "seq", "vocab"), caches
+
+    def hidden(
+        self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx=None, mask=None, rng=None
+    ):
+        """`forward` short of the head: tokens (b, l) -> (norm_f output (b, l, d), cache).
+
+        The loss takes this and `head` to compute logits a chunk of positions at a time.
+        """
         self._check_tokens(tokens, ndim=2)
+        block = _remat_block if self._remat(tokens.shape[1]) else _block
         # Block boundaries carry the residual stream as (batch, seq, embed) under the current mesh.
         x = shard(self._embed(tokens), "batch", "seq", "embed")
         rngs = (
@@ -77,10 +101,15 @@ class LanguageModel(nnx.Module):
         caches = []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
-            x, layer_cache = layer(x, cache=layer_cache, seq_idx=seq_idx, mask=mask, rng=rngs[i])
+            x, layer_cache = block(layer, x, layer_cache, seq_idx, mask, rngs[i])
             x = shard(x, "batch", "seq", "embed")
             caches.append(layer_cache)
-        return shard(self._logits(x), "batch", "seq", "vocab"), tuple(caches)
+        return shard(self._final_norm(x), "batch", "seq", "embed"), tuple(caches)
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Final hidden states (..., d) from `hidden` -> logits (..., padded_vocab_size) in fp32."""
+        logits = self.embedding.attend(h) if self.lm_head is None else self.lm_head(h)
+        return logits.astype(jnp.float32)
 
     def step(self, tokens: jax.Array, cache: tuple):
         """Recurrent mode, one token per row: tokens (b,) -> (logits (b, V), cache)."""
@@ -90,18 +119,20 @@ class LanguageModel(nnx.Module):
         for layer, layer_cache in zip(self.layers, cache):
             x, layer_cache = layer.step(x, layer_cache)
             caches.append(layer_cache)
-        return self._logits(x), tuple(caches)
+        return self.head(self._final_norm(x)), tuple(caches)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings, in the residual dtype."""
         x = self.embedding(tokens)
         return x.astype(jnp.float32) if self.cfg.residual_in_fp32 else x
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        """Final norm and head, logits in fp32."""
-        x = self.norm_f(x).astype(jnp.dtype(self.cfg.dtype))
-        logits = self.embedding.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits.astype(jnp.float32)
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        """The residual stream through norm_f, in the compute dtype (the head's input)."""
+        return self.norm_f(x).astype(jnp.dtype(self.cfg.dtype))
+
+    def _remat(self, length: int) -> bool:
+        """Whether each block recomputes its activations in the backward, for rows of `length`."""
+        return self.cfg.remat == "block" or (self.cfg.remat == "auto" and length >= REMAT_MIN_LEN)
 
     def _check_tokens(self, tokens: jax.Array, *, ndim: int) -> None:
         """Shape and dtype always; the id range too when the values are concrete (not under jit)."""

@@ -2,7 +2,6 @@
 
 from .ops import (
     init_cache,
-    parse_pattern,
     prefill_cache,
     sparse_attention,
     sparse_attention_step,
@@ -14,14 +13,15 @@ from .reference import (
     sparse_attention_mask,
     sparse_attention_reference,
 )
+from .spec import SparseSpec
 from .step import SparseAttentionCache
 
 __all__ = [
     "SparseAttentionCache",
+    "SparseSpec",
     "init_cache",
     "lsh_buckets",
     "official_lsh_inputs",
-    "parse_pattern",
     "prefill_cache",
     "running_mean",
     "sparse_attention",

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from .indexed import _ks_indices, _lsh_indices, attend_blocked, query_block_size
 from .prefill import lsh_table_of
-from .reference import centred, dilation_of, lsh_buckets, num_buckets, split_pattern
+from .reference import centred, lsh_buckets
+from .spec import SparseSpec
 
 EMPTY = -1  # the position of an empty summary row
 
@@ -47,17 +48,16 @@ def buckets_after(x_bln, sum_in_bn, offset, hash_proj, binning):
     return lsh_buckets(x_c_bln, hash_proj, binning, scale_bl)
 
 
-def summarise(k, v, key_scores, bucket_k, offset, *, pattern, num_keys, max_len, hash_bits,
-              binning):  # fmt: skip
-    """The `Summary` of a shard at global `offset`: per component the kc keys later queries may
-    select from it (rows of different components may repeat a key)."""
+def summarise(k, v, key_scores, bucket_k, offset, spec: SparseSpec):
+    """The `Summary` of a shard at global `offset`: per component of `spec` the kc keys later
+    queries may select from it (rows of different components may repeat a key)."""
     b, l, _ = k.shape
-    kc = num_keys // len(split_pattern(pattern))
+    kc = spec.keys_per_component
     pos_l = offset + jnp.arange(l, dtype=jnp.int32)
     rows = []  # local positions (b, kc'), EMPTY for none
-    for comp in split_pattern(pattern):
+    for comp in spec.components:
         if comp == "lsh":
-            table_bus = lsh_table_of(bucket_k, num_buckets(hash_bits, binning), kc)
+            table_bus = lsh_table_of(bucket_k, spec.num_buckets, kc)
             rows.append(table_bus.reshape(b, -1))
         elif comp == "ks":
             top = jax.lax.top_k(jax.lax.stop_gradient(key_scores.astype(jnp.float32)), min(kc, l))
@@ -69,7 +69,7 @@ def summarise(k, v, key_scores, bucket_k, offset, *, pattern, num_keys, max_len,
         elif comp == "sink":
             rows.append(jnp.broadcast_to(jnp.arange(min(kc, l), dtype=jnp.int32), (b, min(kc, l))))
         elif comp == "dilated":
-            d = dilation_of(max_len, kc)
+            d = spec.dilation
             last = ((offset + l) // d) * d - 1 - offset  # the shard's last dilated position
             j_s = last - d * jnp.arange(kc, dtype=jnp.int32)
             rows.append(jnp.broadcast_to(jnp.where(j_s >= 0, j_s, EMPTY), (b, kc)))
@@ -86,30 +86,32 @@ def summarise(k, v, key_scores, bucket_k, offset, *, pattern, num_keys, max_len,
     )
 
 
-def _block_sizes(pattern, kc, l, n_buckets):
+def _block_sizes(spec, l):
     """Rows of each component's block in a shard's summary, in pattern order."""
-    sizes = {"lsh": n_buckets * kc, "ks": min(kc, l), "sw": min(kc, l), "sink": min(kc, l),
-             "dilated": kc}  # fmt: skip
-    return [(comp, sizes[comp]) for comp in split_pattern(pattern)]
+    kc = spec.keys_per_component
+    sizes = {"ks": min(kc, l), "sw": min(kc, l), "sink": min(kc, l), "dilated": kc}
+    return [(comp, spec.num_buckets * kc if comp == "lsh" else sizes[comp])
+            for comp in spec.components]  # fmt: skip
 
 
-def _carried(gathered: Summary, offset, shards, pattern, kc, l, n_buckets, dilation):
+def _carried(gathered: Summary, offset, shards, spec, l):
     """Per component, rows of `gathered` (the summaries of all shards, flattened to (b, S * R))
     that queries of the shard at `offset` may take from the earlier shards, as row indices
     (EMPTY for none): lsh (b, u, kc) and dilated (b, kc) most recent first, ks (b, kc) best
     first (ties: earlier), sw (b, kc) by position offset - kc + s, sink (b, kc) by position s."""
     b = gathered.pos.shape[0]
-    per_shard = sum(size for _, size in _block_sizes(pattern, kc, l, n_buckets))
+    kc = spec.keys_per_component
+    per_shard = sum(size for _, size in _block_sizes(spec, l))
     earlier_bR = (gathered.pos != EMPTY) & (gathered.pos < offset)
     row_R = jnp.arange(gathered.pos.shape[1], dtype=jnp.int32)
     out, start = {}, 0
-    for comp, size in _block_sizes(pattern, kc, l, n_buckets):
+    for comp, size in _block_sizes(spec, l):
         rows_S = start + per_shard * jnp.arange(shards, dtype=jnp.int32)
         rows_Sz = rows_S[:, None] + jnp.arange(size, dtype=jnp.int32)  # (S, size)
         start += size
         if comp == "lsh":
-            rows_uz = jnp.moveaxis(rows_Sz.reshape(shards, n_buckets, kc), 0, 1)
-            rows_uz = rows_uz.reshape(n_buckets, shards * kc)
+            rows_uz = jnp.moveaxis(rows_Sz.reshape(shards, spec.num_buckets, kc), 0, 1)
+            rows_uz = rows_uz.reshape(spec.num_buckets, shards * kc)
             out[comp] = _best(jnp.where(earlier_bR, gathered.pos, EMPTY), rows_uz, kc)
         elif comp == "dilated":
             out[comp] = _best(jnp.where(earlier_bR, gathered.pos, EMPTY), rows_Sz.reshape(-1), kc)
@@ -141,8 +143,8 @@ def _best(pos_bR, rows_zy, kc):
     return jnp.where(top_pos != EMPTY, rows, EMPTY)
 
 
-def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, offset, shards,
-                      q_sum_in, k_sum_in, pattern, num_keys, max_len, hash_bits, binning):  # fmt: skip
+def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, spec: SparseSpec,
+                      offset, shards, q_sum_in, k_sum_in):  # fmt: skip
     """o (b, l, e) of the shard at global `offset`: each query's keys over the whole prefix.
 
     q, k (b, l, n), v (b, l, e), key_scores (b, l) are this shard's; `gathered` every shard's
@@ -151,10 +153,8 @@ def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, offs
     prefix are the best of its local candidates and the carried ones by the component's rule
     (all carried keys are older than every local key); their union gets one softmax."""
     b, l, _ = q.shape
-    kc = num_keys // len(split_pattern(pattern))
-    n_buckets = num_buckets(hash_bits, binning) if "lsh" in split_pattern(pattern) else 0
-    d = dilation_of(max_len, kc) if "dilated" in split_pattern(pattern) else 1
-    carried = _carried(gathered, offset, shards, pattern, kc, l, n_buckets, d)
+    kc = spec.keys_per_component
+    carried = _carried(gathered, offset, shards, spec, l)
     i_l = offset + jnp.arange(l, dtype=jnp.int32)  # global query positions
     s_s = jnp.arange(kc, dtype=jnp.int32)
     parts = []  # (global position, row of [local | gathered], valid), each (b, l, kc')
@@ -182,10 +182,10 @@ def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, offs
         ok = valid_ls & jnp.where(is_local, True, ok_c & (pos_c == j_bls))
         return j_bls, row, ok
 
-    for comp in split_pattern(pattern):
+    for comp in spec.components:
         if comp == "lsh":
-            bucket_q = buckets_after(q, q_sum_in, offset, hash_proj, binning)
-            bucket_k = buckets_after(k, k_sum_in, offset, hash_proj, binning)
+            bucket_q = buckets_after(q, q_sum_in, offset, hash_proj, spec.binning)
+            bucket_k = buckets_after(k, k_sum_in, offset, hash_proj, spec.binning)
             pos_l, row_l, ok_l = local(*_lsh_indices(bucket_q, bucket_k, kc))
             # The query's bucket row of the carried table, taken after its m local matches.
             rows_bls = jnp.take_along_axis(carried["lsh"], bucket_q[..., None], axis=1)
@@ -216,13 +216,14 @@ def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, offs
             j_ls = jnp.broadcast_to(s_s, (l, kc))
             parts.append(by_position(j_ls, j_ls <= i_l[:, None], carried["sink"], 0))
         elif comp == "dilated":
+            d = spec.dilation
             j_ls = ((i_l[:, None] + 1) // d) * d - 1 - d * s_s
             # Carried dilated rows are most recent first: row s' holds last_before - d s'.
             last_before = (offset // d) * d - 1
             parts.append(_dilated(j_ls, last_before, d, offset, carried["dilated"], from_rows,
                                   b, l, kc))  # fmt: skip
         else:
-            raise ValueError(f"component {comp!r} has no carried form (pattern {pattern!r})")
+            raise ValueError(f"component {comp!r} has no carried form (pattern {spec.pattern!r})")
     pos = jnp.concatenate([p[0] for p in parts], axis=-1)
     row = jnp.concatenate([p[1] for p in parts], axis=-1)
     ok = jnp.concatenate([p[2] for p in parts], axis=-1)

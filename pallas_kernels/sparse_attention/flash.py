@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import kernel
 from .layout import EMPTY_POS, KsLayout, LshLayout, Schedule, ks_layout, lsh_layout, tile_schedule
-from .reference import num_buckets, running_buckets
+from .reference import running_buckets
 
 SUPPORTED_PATTERNS = ("lsh", "ks", "lsh+ks")
 F32 = jnp.float32
@@ -49,17 +49,17 @@ def padded_length(l, blocks):
     return -(-l // step) * step
 
 
-def build_layout(q, k, *, comps, kc, hash_proj, key_scores, binning, blocks):
-    """The Layout of q, k (b, l, n) for the components `comps` (O(l log l), plain JAX)."""
+def build_layout(q, k, *, spec, hash_proj, key_scores, blocks):
+    """The Layout of q, k (b, l, n) for the components of `spec` (O(l log l), plain JAX)."""
     length = padded_length(q.shape[1], blocks)
+    kc = spec.keys_per_component
     lsh = schedule = ks = None
-    if "lsh" in comps:
-        n_buckets = num_buckets(hash_proj.shape[1], binning)
-        bucket_q = running_buckets(q, hash_proj, binning)
-        bucket_k = running_buckets(k, hash_proj, binning)
-        lsh = lsh_layout(bucket_q, bucket_k, kc, length, n_buckets)
+    if spec.has("lsh"):
+        bucket_q = running_buckets(q, hash_proj, spec.binning)
+        bucket_k = running_buckets(k, hash_proj, spec.binning)
+        lsh = lsh_layout(bucket_q, bucket_k, kc, length, spec.num_buckets)
         schedule = tile_schedule(lsh.lo, lsh.hi, blocks.block_q, blocks.block_k, kc)
-    if "ks" in comps:
+    if spec.has("ks"):
         ks = ks_layout(key_scores, kc, blocks.block_q, length)
     return Layout(lsh, schedule, ks)
 

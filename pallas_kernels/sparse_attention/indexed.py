@@ -15,12 +15,7 @@ c block index, r position within a block, m merged keys + queries, z any leading
 import jax
 import jax.numpy as jnp
 
-from .reference import (
-    component_budget,
-    dilation_of,
-    running_buckets,
-    split_pattern,
-)
+from .reference import running_buckets
 
 # Gathered elements (query x slot x feature) per attention block: keeps the live block small
 # (a few MiB) while leaving enough work per lax.map step to amortise its overhead.
@@ -142,29 +137,27 @@ def _ks_indices(key_scores_bl, kc):
     return j_bis, valid_bis
 
 
-def selected_indices(
-    q, k, *, pattern, num_keys, hash_proj=None, key_scores=None, max_len=None, binning="sign"
-):
+def selected_indices(q, k, *, spec, hash_proj=None, key_scores=None):
     """Key positions (b, l, num_keys') int32 and validity of every component, concatenated;
     num_keys' = kc * #components <= num_keys. May hold duplicates (see `dedupe`)."""
     b, l, _ = q.shape
-    kc = component_budget(pattern, num_keys)
+    kc = spec.keys_per_component
     parts = []
-    for comp in split_pattern(pattern):
+    for comp in spec.components:
         if comp == "sw":
             part = _sw_indices(l, kc)
         elif comp == "sink":
             part = _sink_indices(l, kc)
         elif comp == "dilated":
-            part = _dilated_indices(l, kc, dilation_of(max_len, kc))
+            part = _dilated_indices(l, kc, spec.dilation)
         elif comp == "lsh":
-            bucket_q_bl = running_buckets(q, hash_proj, binning)
-            bucket_k_bl = running_buckets(k, hash_proj, binning)
+            bucket_q_bl = running_buckets(q, hash_proj, spec.binning)
+            bucket_k_bl = running_buckets(k, hash_proj, spec.binning)
             part = _lsh_indices(bucket_q_bl, bucket_k_bl, kc)
         elif comp == "ks":
             part = _ks_indices(key_scores, kc)
         else:
-            raise ValueError(f"component {comp!r} has no indexed form (pattern {pattern!r})")
+            raise ValueError(f"component {comp!r} has no indexed form (pattern {spec.pattern!r})")
         parts.append(tuple(jnp.broadcast_to(x, (b, l, kc)) for x in part))
     j_bis = jnp.concatenate([p[0] for p in parts], axis=-1)
     valid_bis = jnp.concatenate([p[1] for p in parts], axis=-1)
@@ -242,34 +235,13 @@ def full_attention(q, k, v):
     return jnp.einsum("bij,bje->bie", probs_bij, v_bje).astype(v.dtype)
 
 
-def sparse_attention_indexed(
-    q,
-    k,
-    v,
-    *,
-    pattern,
-    num_keys,
-    hash_proj=None,
-    key_scores=None,
-    max_len=None,
-    binning="sign",
-    query_block=None,
-):
+def sparse_attention_indexed(q, k, v, *, spec, hash_proj=None, key_scores=None, query_block=None):
     """Sparse attention by gathered keys; O(l * num_keys * (n + e)) time, O(l * num_keys) memory
     (plus one block of gathered keys). query_block=None picks `query_block_size`; 0 gathers the
     whole sequence at once. "full" goes to `full_attention`."""
-    if split_pattern(pattern) == ("full",):
+    if spec.has("full"):
         return full_attention(q, k, v)
-    j_bis, valid_bis = selected_indices(
-        q,
-        k,
-        pattern=pattern,
-        num_keys=num_keys,
-        hash_proj=hash_proj,
-        key_scores=key_scores,
-        max_len=max_len,
-        binning=binning,
-    )
+    j_bis, valid_bis = selected_indices(q, k, spec=spec, hash_proj=hash_proj, key_scores=key_scores)
     j_bis, valid_bis = dedupe(j_bis, valid_bis)
     q_bin, k_bjn, v_bje = (x.astype(jnp.float32) for x in (q, k, v))
     b, l, n = q_bin.shape

@@ -12,7 +12,7 @@ Letters: b batch, l length (position), c capacity, n key dim, e value dim, u buc
 import jax
 import jax.numpy as jnp
 
-from .reference import component_budget, running_buckets, split_pattern
+from .reference import running_buckets
 from .step import SparseAttentionCache
 
 
@@ -63,34 +63,21 @@ def ks_top_of(key_scores_bl, kc):
     return top_scores_bs, jnp.take_along_axis(merged_pos_bm, top_bs, axis=1)
 
 
-def prefill_arrays(
-    q,
-    k,
-    v,
-    cache,
-    *,
-    pattern,
-    num_keys,
-    hash_proj=None,
-    key_scores=None,
-    max_len=None,
-    binning="sign",
-):
+def prefill_arrays(q, k, v, cache, *, spec, hash_proj=None, key_scores=None):
     """The cache after positions 0..l-1 from an EMPTY cache (no validation; see
-    ops.prefill_cache): q, k (b, l, n), v (b, l, e), key_scores (b, l); capacity >= l."""
-    del max_len  # dilated keeps no state: its keys follow from t alone
-    comps = split_pattern(pattern)
-    kc = component_budget(pattern, num_keys)
+    ops.prefill_cache): q, k (b, l, n), v (b, l, e), key_scores (b, l); capacity >= l. Dilated
+    keeps no state: its keys follow from t alone."""
+    kc = spec.keys_per_component
     l = q.shape[1]
     keys = jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), (0, 0, 0))
     values = jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), (0, 0, 0))
     lsh_table, ks_scores, ks_pos = cache.lsh_table, cache.ks_scores, cache.ks_pos
-    if "lsh" in comps:
+    if spec.has("lsh"):
         # The step buckets key t at step t, centred by the running mean over 0..t (itself
         # included): exactly the parallel op's causal running_buckets.
-        bucket_k_bl = running_buckets(k, hash_proj, binning)
-        lsh_table = lsh_table_of(bucket_k_bl, lsh_table.shape[1], kc)
-    if "ks" in comps:
+        bucket_k_bl = running_buckets(k, hash_proj, spec.binning)
+        lsh_table = lsh_table_of(bucket_k_bl, spec.num_buckets, kc)
+    if spec.has("ks"):
         ks_scores, ks_pos = ks_top_of(key_scores, kc)
     return SparseAttentionCache(
         keys=keys,

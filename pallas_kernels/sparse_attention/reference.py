@@ -13,8 +13,8 @@ components of a '+'-joined pattern; each component gets kc = num_keys // (#compo
 Softmax runs over the selected keys only; a query with no selected key outputs 0.
 
 Everything here is O(l^2) and exists to define the op and to test the fast path against it;
-`sparse_attention_reference(official_code=True)` is also the (dense by design) transcription
-of the official PyTorch code's non-causal behaviours.
+`sparse_attention_reference` under `spec.official_code` is also the (dense by design)
+transcription of the official PyTorch code's non-causal behaviours.
 
 Letters: b batch, i query position, j / p key position, n key dim, e value dim, h hash bits.
 """
@@ -22,29 +22,7 @@ Letters: b batch, i query position, j / p key position, n key dim, e value dim, 
 import jax
 import jax.numpy as jnp
 
-COMPONENTS = ("sw", "sink", "dilated", "lsh", "ks", "full")
-BINNINGS = ("sign", "argmax")
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def split_pattern(pattern):
-    """The components of a '+'-joined pattern, in the order written (no validation)."""
-    return tuple(pattern.split("+"))
-
-
-def component_budget(pattern, num_keys):
-    """Keys per component: kc = num_keys // (number of components)."""
-    return num_keys // len(split_pattern(pattern))
-
-
-def dilation_of(max_len, kc):
-    """Stride of the dilated component: max(1, max_len // kc)."""
-    return max(1, max_len // kc)
-
-
-def num_buckets(hash_bits, binning):
-    """Number of LSH buckets: 2^h for sign binning, h for argmax binning."""
-    return 2**hash_bits if binning == "sign" else hash_bits
 
 
 def running_mean(x_bln):
@@ -125,30 +103,19 @@ def _top_scores(key_scores_bl, kc, causal_ij):
     return causal_ij & (ahead_bij < kc)
 
 
-def sparse_attention_mask(
-    q,
-    k,
-    *,
-    pattern,
-    num_keys,
-    hash_proj=None,
-    key_scores=None,
-    max_len=None,
-    binning="sign",
-    official_code=False,
-):
+def sparse_attention_mask(q, k, *, spec, hash_proj=None, key_scores=None):
     """The (b, l, l) boolean mask mask[b, i, j] = query i attends to key j (union of components).
 
-    official_code=True hashes like the official code (`official_lsh_inputs`); every other
+    spec.official_code hashes like the official code (`official_lsh_inputs`); every other
     component is the same.
     """
     b, l, _ = q.shape
-    kc = component_budget(pattern, num_keys)
+    kc = spec.keys_per_component
     pos_l = jnp.arange(l)
     i_l1, j_1l = pos_l[:, None], pos_l[None, :]
     causal_ij = j_1l <= i_l1
     mask_bij = jnp.zeros((b, l, l), bool)
-    for comp in split_pattern(pattern):
+    for comp in spec.components:
         if comp == "full":
             keep = causal_ij
         elif comp == "sw":
@@ -156,60 +123,36 @@ def sparse_attention_mask(
         elif comp == "sink":
             keep = causal_ij & (j_1l < kc)
         elif comp == "dilated":
-            d = dilation_of(max_len, kc)
+            d = spec.dilation
             keep = _most_recent(jnp.broadcast_to(causal_ij & (j_1l % d == d - 1), (l, l)), kc)
         elif comp == "lsh":
-            if official_code:
+            if spec.official_code:
                 q_in, k_in = official_lsh_inputs(q), official_lsh_inputs(k)
-                bucket_q_bl = lsh_buckets(q_in, hash_proj, binning)
-                bucket_k_bl = lsh_buckets(k_in, hash_proj, binning)
+                bucket_q_bl = lsh_buckets(q_in, hash_proj, spec.binning)
+                bucket_k_bl = lsh_buckets(k_in, hash_proj, spec.binning)
             else:
-                bucket_q_bl = running_buckets(q, hash_proj, binning)
-                bucket_k_bl = running_buckets(k, hash_proj, binning)
+                bucket_q_bl = running_buckets(q, hash_proj, spec.binning)
+                bucket_k_bl = running_buckets(k, hash_proj, spec.binning)
             same_bij = bucket_q_bl[:, :, None] == bucket_k_bl[:, None, :]
             keep = _most_recent(causal_ij & same_bij, kc)
-        elif comp == "ks":
+        else:  # ks
             keep = _top_scores(key_scores, kc, causal_ij)
-        else:
-            raise ValueError(f"unknown component {comp!r} in pattern {pattern!r}")
         mask_bij = mask_bij | keep
     return mask_bij
 
 
-def sparse_attention_reference(
-    q,
-    k,
-    v,
-    *,
-    pattern,
-    num_keys,
-    hash_proj=None,
-    key_scores=None,
-    max_len=None,
-    binning="sign",
-    official_code=False,
-):
+def sparse_attention_reference(q, k, v, *, spec, hash_proj=None, key_scores=None):
     """Dense masked-softmax attention over `sparse_attention_mask`; O(l^2), the test oracle.
 
     q, k (b, l, n); v (b, l, e); logits q_i . k_j (k already scaled); fp32 compute, output
     (b, l, e) in v.dtype. Rows with no selected key output 0 (and get zero gradient); with
-    official_code=True they instead get the official code's softmax over an additive finfo.min
+    spec.official_code they instead get the official code's softmax over an additive finfo.min
     mask, which is uniform over all l positions (future included).
     """
-    mask_bij = sparse_attention_mask(
-        q,
-        k,
-        pattern=pattern,
-        num_keys=num_keys,
-        hash_proj=hash_proj,
-        key_scores=key_scores,
-        max_len=max_len,
-        binning=binning,
-        official_code=official_code,
-    )
+    mask_bij = sparse_attention_mask(q, k, spec=spec, hash_proj=hash_proj, key_scores=key_scores)
     q_bin, k_bjn, v_bje = (x.astype(jnp.float32) for x in (q, k, v))
     scores_bij = jnp.einsum("bin,bjn->bij", q_bin, k_bjn)
-    if official_code:
+    if spec.official_code:
         bias_bij = jnp.where(mask_bij, 0.0, jnp.finfo(jnp.float32).min)
         probs_bij = jax.nn.softmax(scores_bij + bias_bij, axis=-1)
         return jnp.einsum("bij,bje->bie", probs_bij, v_bje).astype(v.dtype)

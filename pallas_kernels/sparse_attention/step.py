@@ -17,14 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .indexed import dedupe, gather_rows, softmax_attend
-from .reference import (
-    centred,
-    component_budget,
-    dilation_of,
-    lsh_buckets,
-    num_buckets,
-    split_pattern,
-)
+from .reference import centred, lsh_buckets
 
 
 class SparseAttentionCache(NamedTuple):
@@ -52,12 +45,11 @@ class SparseAttentionCache(NamedTuple):
     ks_pos: jax.Array
 
 
-def init_cache_arrays(batch, capacity, n, e, *, pattern, num_keys, hash_bits, binning, dtype):
+def init_cache_arrays(batch, capacity, n, e, *, spec, dtype):
     """An empty cache (no validation; see ops.init_cache)."""
-    comps = split_pattern(pattern)
-    kc = component_budget(pattern, num_keys)
-    lsh_shape = (batch, num_buckets(hash_bits, binning), kc) if "lsh" in comps else (batch, 0, 0)
-    ks_len = kc if "ks" in comps else 0
+    kc = spec.keys_per_component
+    lsh_shape = (batch, spec.num_buckets, kc) if spec.has("lsh") else (batch, 0, 0)
+    ks_len = kc if spec.has("ks") else 0
     return SparseAttentionCache(
         keys=jnp.zeros((batch, capacity, n), dtype),
         values=jnp.zeros((batch, capacity, e), dtype),
@@ -72,26 +64,13 @@ def init_cache_arrays(batch, capacity, n, e, *, pattern, num_keys, hash_bits, bi
     )
 
 
-def step_arrays(
-    q,
-    k,
-    v,
-    cache,
-    *,
-    pattern,
-    num_keys,
-    hash_proj=None,
-    key_score=None,
-    max_len=None,
-    binning="sign",
-):
+def step_arrays(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
     """One decode step (no validation; see ops.sparse_attention_step): returns (o, cache).
 
     Past capacity the buffers cannot take the new row, so o is NaN there (a traced t cannot
     raise); ops.sparse_attention_step raises instead when t is concrete.
     """
-    comps = split_pattern(pattern)
-    kc = component_budget(pattern, num_keys)
+    kc = spec.keys_per_component
     b, capacity, _ = cache.keys.shape
     t = cache.t
     batch_b = jnp.arange(b)
@@ -104,7 +83,7 @@ def step_arrays(
     lsh_table, ks_scores, ks_pos = cache.lsh_table, cache.ks_scores, cache.ks_pos
     s_s = jnp.arange(kc, dtype=jnp.int32)
     parts = []
-    for comp in comps:
+    for comp in spec.components:
         if comp == "full":
             j_bs = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
             parts.append((j_bs, j_bs <= t))
@@ -113,22 +92,22 @@ def step_arrays(
         elif comp == "sink":
             parts.append((s_s, s_s <= t))
         elif comp == "dilated":
-            d = dilation_of(max_len, kc)
+            d = spec.dilation
             j_s = ((t + 1) // d) * d - 1 - d * s_s
             parts.append((j_s, j_s >= 0))
         elif comp == "lsh":
             count = (t + 1).astype(jnp.float32)
             k_c_bn, k_scale_b = centred(k_bn, k_sum / count)
             q_c_bn, q_scale_b = centred(q_bn, q_sum / count)
-            bucket_k_b = lsh_buckets(k_c_bn, hash_proj, binning, k_scale_b)
-            bucket_q_b = lsh_buckets(q_c_bn, hash_proj, binning, q_scale_b)
+            bucket_k_b = lsh_buckets(k_c_bn, hash_proj, spec.binning, k_scale_b)
+            bucket_q_b = lsh_buckets(q_c_bn, hash_proj, spec.binning, q_scale_b)
             # Push t into its key bucket's row (drop the oldest), then read the query's row.
             row_bs = lsh_table[batch_b, bucket_k_b]
             row_bs = jnp.concatenate([row_bs[:, 1:], jnp.full((b, 1), t, jnp.int32)], axis=1)
             lsh_table = lsh_table.at[batch_b, bucket_k_b].set(row_bs)
             j_bs = lsh_table[batch_b, bucket_q_b]
             parts.append((j_bs, j_bs >= 0))
-        elif comp == "ks":
+        else:  # ks
             # The new key goes last, so lax.top_k's lower-index-first rule keeps ties earlier.
             score_b1 = jax.lax.stop_gradient(key_score.astype(jnp.float32))[:, None]
             merged_scores = jnp.concatenate([ks_scores, score_b1], axis=1)
@@ -136,8 +115,6 @@ def step_arrays(
             ks_scores, top_bs = jax.lax.top_k(merged_scores, kc)
             ks_pos = jnp.take_along_axis(merged_pos, top_bs, axis=1)
             parts.append((ks_pos, ks_pos >= 0))
-        else:
-            raise ValueError(f"unknown component {comp!r} in pattern {pattern!r}")
     j_bs = jnp.concatenate([jnp.broadcast_to(p[0], (b, p[0].shape[-1])) for p in parts], -1)
     valid_bs = jnp.concatenate([jnp.broadcast_to(p[1], (b, p[1].shape[-1])) for p in parts], -1)
     j_bs, valid_bs = dedupe(j_bs, valid_bs)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attention import (
+    SparseSpec,
     init_cache,
     lsh_buckets,
     prefill_cache,
@@ -58,20 +59,24 @@ def make_inputs(l, seed=0, dtype=jnp.float32, hash_bits=H_):
     )
 
 
+def spec_of(pattern, num_keys, binning="sign", hash_bits=H_):
+    """The SparseSpec of a test case (max_len = MAX_LEN for dilated)."""
+    return SparseSpec(pattern, num_keys, hash_bits=hash_bits, binning=binning, max_len=MAX_LEN)
+
+
 def assert_close(actual, desired, tol):
     """assert_allclose on fp32 copies."""
     actual, desired = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
     np.testing.assert_allclose(actual, desired, **tol)
 
 
-@functools.partial(jax.jit, static_argnames=("fn", "with_rows", "static"))
-def _probe(q, k, v, rest, w, *, fn, with_rows, static):
+@functools.partial(jax.jit, static_argnames=("fn", "with_rows", "spec"))
+def _probe(q, k, v, rest, w, *, fn, with_rows, spec):
     """Forward, one vjp and (with_rows) the l one-hot vjps; see `probe`."""
-    static = dict(static)
-    o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **rest, **static).astype(jnp.float32), q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **rest, spec=spec).astype(jnp.float32), q, k, v)
     grads = dict(zip("qkv", vjp(w)))
     if not with_rows:
-        mask = sparse_attention_mask(q, k, **rest, **static)
+        mask = sparse_attention_mask(q, k, **rest, spec=spec)
         return o, grads, mask
     b, l, e = o.shape
     onehot_ibl1 = jnp.eye(l, dtype=jnp.float32)[:, None, :, None]
@@ -79,9 +84,9 @@ def _probe(q, k, v, rest, w, *, fn, with_rows, static):
     return o, grads, dict(zip("qkv", rows))
 
 
-def probe(fn, inputs, with_rows, **static):
+def probe(fn, inputs, with_rows, spec):
     """(o, grads of a fixed random linear functional of o wrt q, k, v, extra), jitted once per
-    (fn, shapes, static arguments).
+    (fn, shapes, spec).
 
     extra: with_rows, rows[name][i] = d sum(o[:, i]) / d name of shape (l, b, l, feature), the
     gradient of query row i at every position (causality, empty rows); else the oracle's mask.
@@ -96,16 +101,16 @@ def probe(fn, inputs, with_rows, **static):
         w,
         fn=fn,
         with_rows=with_rows,
-        static=tuple(sorted(static.items())),
+        spec=spec,
     )
 
 
 def check_against_oracle(pattern, binning, l, num_keys, inputs):
     """Values and gradients equal the oracle; no gradient from the future; rows that select no
     key are 0 with zero gradient. Returns the empty rows (b, l) and o."""
-    static = dict(pattern=pattern, num_keys=num_keys, max_len=MAX_LEN, binning=binning)
-    o, grads, rows = probe(sparse_attention, inputs, True, **static)
-    o_ref, grads_ref, mask = probe(sparse_attention_reference, inputs, False, **static)
+    spec = spec_of(pattern, num_keys, binning, hash_bits=inputs["hash_proj"].shape[1])
+    o, grads, rows = probe(sparse_attention, inputs, True, spec)
+    o_ref, grads_ref, mask = probe(sparse_attention_reference, inputs, False, spec)
     assert o.shape == (B_, l, E_) and o.dtype == jnp.float32
     assert_close(o, o_ref, TOL[jnp.float32])
     for name in "qkv":
@@ -129,7 +134,6 @@ def test_matches_oracle_and_is_causal(pattern, binning):
     _, o = check_against_oracle(pattern, binning, l, num_keys, inputs)
     # Changing every token from cut on (q, k, v and key scores) leaves o[:, :cut] unchanged:
     # the lsh centring uses running means, ks a prefix top-k.
-    static = dict(pattern=pattern, num_keys=num_keys, max_len=MAX_LEN, binning=binning)
     cut = 20
     changed = make_inputs(l, seed=5)
     mixed = {
@@ -140,7 +144,7 @@ def test_matches_oracle_and_is_causal(pattern, binning):
         )
         for name in inputs
     }
-    o_mixed = probe(sparse_attention, mixed, True, **static)[0]
+    o_mixed = probe(sparse_attention, mixed, True, spec_of(pattern, num_keys, binning))[0]
     np.testing.assert_array_equal(np.asarray(o_mixed[:, :cut]), np.asarray(o[:, :cut]))
 
 
@@ -185,7 +189,8 @@ def test_bf16_inputs():
     static = dict(pattern="sw+lsh+ks", num_keys=12, max_len=MAX_LEN, binning="sign")
     o = sparse_attention(**inputs, **static)
     assert o.dtype == jnp.bfloat16
-    o_ref = jax.jit(sparse_attention_reference, static_argnames=tuple(static))(**inputs, **static)
+    reference = jax.jit(sparse_attention_reference, static_argnames="spec")
+    o_ref = reference(**inputs, spec=SparseSpec(**static, hash_bits=H_))
     assert_close(o, o_ref, TOL[jnp.bfloat16])
 
 
@@ -194,11 +199,9 @@ def test_step_equals_parallel(pattern, binning):
     """Decoding token by token through the cache (jitted scan of steps) equals the parallel op."""
     l, num_keys = 37, 12
     inputs = make_inputs(l, seed=6)
-    static = dict(pattern=pattern, num_keys=num_keys, max_len=MAX_LEN, binning=binning)
-    o = probe(sparse_attention, inputs, True, **static)[0]  # compiled by the oracle test
-    cache = init_cache(
-        B_, l, N_, E_, pattern=pattern, num_keys=num_keys, hash_bits=H_, binning=binning
-    )
+    spec = spec_of(pattern, num_keys, binning)
+    o = probe(sparse_attention, inputs, True, spec)[0]  # compiled by the oracle test
+    cache = init_cache(B_, l, N_, E_, spec=spec)
 
     @jax.jit
     def decode(cache, hash_proj, q_lbn, k_lbn, v_lbe, key_scores_lb):
@@ -208,7 +211,7 @@ def test_step_equals_parallel(pattern, binning):
             """One token."""
             q, k, v, score = x
             o, cache = sparse_attention_step(
-                q, k, v, cache, hash_proj=hash_proj, key_score=score, **static
+                q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=score
             )
             return cache, o
 
@@ -226,14 +229,14 @@ def test_step_equals_parallel(pattern, binning):
 def test_step_capacity():
     """Stepping past capacity: ValueError naming it when t is concrete, NaN under jit."""
     inputs = make_inputs(3)
-    static = dict(pattern="sw", num_keys=2)
-    cache = init_cache(B_, 2, N_, E_, **static)
+    spec = SparseSpec("sw", 2)
+    cache = init_cache(B_, 2, N_, E_, spec=spec)
     args = [inputs[name][:, 0] for name in ("q", "k", "v")]
     for _ in range(2):
-        _, cache = sparse_attention_step(*args, cache, **static)
+        _, cache = sparse_attention_step(*args, cache, spec=spec)
     with pytest.raises(ValueError, match="capacity = 2"):
-        sparse_attention_step(*args, cache, **static)
-    o, _ = jax.jit(lambda c: sparse_attention_step(*args, c, **static))(cache)
+        sparse_attention_step(*args, cache, spec=spec)
+    o, _ = jax.jit(lambda c: sparse_attention_step(*args, c, spec=spec))(cache)
     assert np.all(np.isnan(o))
 
 
@@ -270,18 +273,18 @@ def test_prefill_cache_equals_steps(pattern, binning):
     scores holding many ties and a -inf (which the step never keeps); decoding on from either
     cache gives the same outputs."""
     capacity, num_keys, more = 32, 8, 3
-    static = dict(pattern=pattern, num_keys=num_keys, max_len=MAX_LEN, binning=binning)
+    spec = spec_of(pattern, num_keys, binning)
     inputs = make_inputs(capacity, seed=11)  # key scores: small integers, many ties
     inputs["key_scores"] = inputs["key_scores"].at[:, 2].set(-jnp.inf)
-    empty = init_cache(
-        B_, capacity, N_, E_, pattern=pattern, num_keys=num_keys, hash_bits=H_, binning=binning
-    )
+    empty = init_cache(B_, capacity, N_, E_, spec=spec)
     hash_proj = inputs["hash_proj"]
 
     def step(t, cache):
         """Position t's token through the step (jitted once per cache shape)."""
         q, k, v, score = (inputs[name][:, t] for name in ("q", "k", "v", "key_scores"))
-        return sparse_attention_step(q, k, v, cache, hash_proj=hash_proj, key_score=score, **static)
+        return sparse_attention_step(
+            q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=score
+        )
 
     outs, stepped, cache = [], [], empty
     for t in range(capacity):
@@ -290,7 +293,7 @@ def test_prefill_cache_equals_steps(pattern, binning):
         stepped.append(cache)
     for l in (1, 7, 29):
         prompt = {name: inputs[name][:, :l] for name in ("q", "k", "v", "key_scores")}
-        cache = prefill_cache(**prompt, cache=empty, hash_proj=hash_proj, **static)
+        cache = prefill_cache(**prompt, cache=empty, spec=spec, hash_proj=hash_proj)
         assert_caches_equal(cache, stepped[l - 1])
         for t in range(l, l + more):
             o, cache = step(t, cache)
@@ -303,24 +306,24 @@ def test_prefill_cache_checks():
     prefill that it may build the cache in parallel); a prompt of exactly the capacity fills
     it; a longer one, or a cache already written, is a ValueError naming it."""
     inputs = make_inputs(5)
-    static = dict(pattern="sw+ks", num_keys=4)
+    spec = SparseSpec("sw+ks", 4)
     seen = []
-    jax.make_jaxpr(lambda: seen.append(init_cache(B_, 4, N_, E_, **static).t))()
+    jax.make_jaxpr(lambda: seen.append(init_cache(B_, 4, N_, E_, spec=spec).t))()
     assert isinstance(seen[0], np.ndarray) and seen[0].dtype == np.int32 and seen[0] == 0
     prompt = dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], key_scores=inputs["key_scores"])
-    full = prefill_cache(**prompt, cache=init_cache(B_, 5, N_, E_, **static), **static)
+    full = prefill_cache(**prompt, cache=init_cache(B_, 5, N_, E_, spec=spec), spec=spec)
     assert int(full.t) == 5 and np.all(np.asarray(full.ks_pos) >= 0)
     with pytest.raises(ValueError, match="l = 5.*capacity = 4"):
-        prefill_cache(**prompt, cache=init_cache(B_, 4, N_, E_, **static), **static)
-    cache = init_cache(B_, 8, N_, E_, **static)
+        prefill_cache(**prompt, cache=init_cache(B_, 4, N_, E_, spec=spec), spec=spec)
+    cache = init_cache(B_, 8, N_, E_, spec=spec)
     _, cache = sparse_attention_step(
         *(inputs[name][:, 0] for name in "qkv"),
         cache,
+        spec=spec,
         key_score=inputs["key_scores"][:, 0],
-        **static,
     )
     with pytest.raises(ValueError, match="empty cache \\(t = 0\\), got t = 1"):
-        prefill_cache(**prompt, cache=cache, **static)
+        prefill_cache(**prompt, cache=cache, spec=spec)
 
 
 # ---- cost: no (l, l) array anywhere in the forward + backward program ----------------------
@@ -375,17 +378,9 @@ def test_lsh_ks_has_no_quadratic_array():
 
     def jaxpr_of(fn):
         """Jaxpr of the gradient of sum(o) wrt q, k, v."""
-        loss = lambda q, k, v: jnp.sum(
-            fn(  # noqa: E731
-                q,
-                k,
-                v,
-                pattern="lsh+ks",
-                num_keys=64,
-                hash_proj=hash_proj,
-                key_scores=key_scores,
-                binning="sign",
-            )
+        spec = SparseSpec("lsh+ks", 64, hash_bits=8)
+        loss = lambda q, k, v: jnp.sum(  # noqa: E731
+            fn(q, k, v, spec=spec, hash_proj=hash_proj, key_scores=key_scores)
         )
         return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
@@ -401,11 +396,11 @@ def test_prefill_cache_has_no_quadratic_array():
     v = jnp.asarray(rng.standard_normal((1, l, 32)), jnp.float32)
     hash_proj = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
     key_scores = jnp.asarray(rng.standard_normal((1, l)), jnp.float32)
-    static = dict(pattern="lsh+ks", num_keys=64, binning="sign")
-    cache = init_cache(1, l, 16, 32, hash_bits=8, **static)
+    spec = SparseSpec("lsh+ks", 64, hash_bits=8)
+    cache = init_cache(1, l, 16, 32, spec=spec)
     jaxpr = jax.make_jaxpr(
         lambda q, k, v: prefill_cache(
-            q, k, v, cache, hash_proj=hash_proj, key_scores=key_scores, **static
+            q, k, v, cache, spec=spec, hash_proj=hash_proj, key_scores=key_scores
         )
     )(q, k, v)
     assert big_shapes(jaxpr, l // 2) == []
@@ -487,12 +482,18 @@ def test_official_code_matches_transcription(pattern, seed, hash_bits, num_keys)
         (dict(num_keys=0), "num_keys must be a positive int, got 0"),
         (dict(num_keys=4.0), "num_keys must be a positive int, got 4.0"),
         (dict(binning="round"), "binning must be one of .*, got 'round'"),
-        (dict(pattern="lsh", hash_proj=None), "hash_proj \\(n, h\\) is required by 'lsh'"),
+        (
+            dict(pattern="lsh", hash_proj=None),
+            "hash_bits \\(h of hash_proj \\(n, h\\)\\) is required",
+        ),
         (
             dict(pattern="lsh", hash_proj=jnp.zeros((N_ + 1, 3))),
-            "hash_proj must have shape \\(n, h\\) with n = 8, got \\(9, 3\\)",
+            "hash_proj must have shape \\(n, h\\) = \\(8, 3\\), got \\(9, 3\\)",
         ),
-        (dict(pattern="lsh", hash_proj=jnp.zeros((N_, 31))), "at most 30 hash bits, got h = 31"),
+        (
+            dict(pattern="lsh", hash_proj=jnp.zeros((N_, 31))),
+            "at most 30 hash bits, got hash_bits = 31",
+        ),
         (dict(pattern="ks", key_scores=None), "key_scores \\(b, l\\) is required by 'ks'"),
         (dict(pattern="ks", key_scores=jnp.zeros((B_, 6))), "key_scores must have shape"),
         (dict(pattern="dilated", max_len=None), "max_len is required by 'dilated'"),
@@ -511,29 +512,60 @@ def test_bad_arguments_raise(change, match):
         sparse_attention(**args)
 
 
+def test_spec_derives_and_drops_unused_settings():
+    """The spec's derived sizes; settings its pattern does not read are dropped, so that specs of
+    one attention are equal and hash alike (one jit cache entry)."""
+    spec = SparseSpec("sw+lsh+dilated", 13, hash_bits=3, binning="argmax", max_len=40)
+    assert spec.components == ("sw", "lsh", "dilated") and spec.has("lsh") and not spec.has("ks")
+    assert (spec.keys_per_component, spec.num_buckets, spec.dilation) == (4, 3, 10)
+    assert SparseSpec("lsh", 4, hash_bits=3).num_buckets == 8
+    plain = SparseSpec("sw", 4)
+    assert SparseSpec("sw", 4, hash_bits=8, max_len=1058) == plain
+    assert hash(SparseSpec("sw", 4, hash_bits=8, max_len=1058)) == hash(plain)
+
+
+def test_spec_or_settings_not_both():
+    """The op takes the attention as a spec or as loose settings; both at once is refused, naming
+    the settings given beside the spec; the spec alone gives what its settings give."""
+    inputs = make_inputs(5)
+    spec = SparseSpec("sw+lsh+ks", 6, hash_bits=H_)
+    with pytest.raises(ValueError, match="not both: {'num_keys': 6}"):
+        sparse_attention(**inputs, spec=spec, num_keys=6)
+    with pytest.raises(ValueError, match="spec must be a SparseSpec, got str"):
+        sparse_attention(**inputs, spec="sw+lsh+ks")
+    loose = sparse_attention(**inputs, pattern="sw+lsh+ks", num_keys=6)
+    np.testing.assert_array_equal(np.asarray(sparse_attention(**inputs, spec=spec)), loose)
+
+
 def test_bad_step_arguments_raise():
     """The cache and step check their inputs and name the value."""
     inputs = make_inputs(2)
     q, k, v = (inputs[name][:, 0] for name in ("q", "k", "v"))
-    static = dict(pattern="lsh+ks", num_keys=4)
-    with pytest.raises(ValueError, match="hash_bits is required by 'lsh'"):
-        init_cache(B_, 4, N_, E_, **static)
+    with pytest.raises(ValueError, match="hash_bits \\(h of hash_proj \\(n, h\\)\\) is required"):
+        SparseSpec("lsh+ks", 4)
+    spec = SparseSpec("lsh+ks", 4, hash_bits=H_)
+    with pytest.raises(ValueError, match="spec must be a SparseSpec, got str"):
+        init_cache(B_, 4, N_, E_, spec="lsh+ks")
     with pytest.raises(ValueError, match="capacity must be a positive int, got 0"):
-        init_cache(B_, 0, N_, E_, hash_bits=H_, **static)
-    cache = init_cache(B_, 4, N_, E_, hash_bits=H_, **static)
+        init_cache(B_, 0, N_, E_, spec=spec)
+    cache = init_cache(B_, 4, N_, E_, spec=spec)
     hash_proj, score = inputs["hash_proj"], inputs["key_scores"][:, 0]
+    official = SparseSpec("lsh+ks", 4, hash_bits=H_, official_code=True)
     with pytest.raises(ValueError, match="official_code=True has no step mode"):
-        sparse_attention_step(
-            q, k, v, cache, hash_proj=hash_proj, key_score=score, official_code=True, **static
-        )
+        sparse_attention_step(q, k, v, cache, spec=official, hash_proj=hash_proj, key_score=score)
     with pytest.raises(ValueError, match="key_score \\(b,\\) is required by 'ks'"):
-        sparse_attention_step(q, k, v, cache, hash_proj=hash_proj, **static)
-    with pytest.raises(ValueError, match="cache.lsh_table must have shape"):
+        sparse_attention_step(q, k, v, cache, spec=spec, hash_proj=hash_proj)
+    with pytest.raises(ValueError, match="hash_proj must have shape \\(n, h\\) = \\(8, 3\\)"):
         sparse_attention_step(
-            q, k, v, cache, hash_proj=jnp.zeros((N_, H_ + 1)), key_score=score, **static
+            q, k, v, cache, spec=spec, hash_proj=jnp.zeros((N_, H_ + 1)), key_score=score
         )
+    wider = init_cache(B_, 4, N_, E_, spec=SparseSpec("lsh+ks", 4, hash_bits=H_ + 1))
+    with pytest.raises(ValueError, match="cache.lsh_table must have shape"):
+        sparse_attention_step(q, k, v, wider, spec=spec, hash_proj=hash_proj, key_score=score)
     with pytest.raises(ValueError, match="v must have shape \\(b, e\\) = \\(2, 6\\)"):
-        sparse_attention_step(q, k, v[:, :3], cache, hash_proj=hash_proj, key_score=score, **static)
+        sparse_attention_step(
+            q, k, v[:, :3], cache, spec=spec, hash_proj=hash_proj, key_score=score
+        )
 
 
 @pytest.mark.parametrize("binning", ["sign", "argmax"])
@@ -547,23 +579,21 @@ def test_zero_centred_vectors_bucket_the_same_in_parallel_and_decode(binning):
     x[:, 1:7] = x[:, :1]  # seven identical leading tokens
     x, w = jnp.asarray(x), jnp.asarray(rng.standard_normal((d, 2 * N_), np.float32))
     hash_proj = jnp.asarray(rng.standard_normal((N_, H_), np.float32))
-    static = dict(pattern="lsh", num_keys=num_keys, max_len=MAX_LEN, binning=binning)
+    spec = spec_of("lsh", num_keys, binning)
 
     @jax.jit
     def parallel(x, w):
         q, k = jnp.split(x @ w, 2, axis=-1)
-        return sparse_attention(q, k, x, hash_proj=hash_proj, **static)
+        return sparse_attention(q, k, x, spec=spec, hash_proj=hash_proj)
 
     @jax.jit
     def decode(x, w):
         def body(cache, x_t):
             q, k = jnp.split(x_t @ w, 2, axis=-1)
-            o, cache = sparse_attention_step(q, k, x_t, cache, hash_proj=hash_proj, **static)
+            o, cache = sparse_attention_step(q, k, x_t, cache, spec=spec, hash_proj=hash_proj)
             return cache, o
 
-        cache = init_cache(
-            B_, l, N_, d, pattern="lsh", num_keys=num_keys, hash_bits=H_, binning=binning
-        )
+        cache = init_cache(B_, l, N_, d, spec=spec)
         return jnp.moveaxis(jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))[1], 0, 1)
 
     assert_close(decode(x, w), parallel(x, w), TOL[jnp.float32])

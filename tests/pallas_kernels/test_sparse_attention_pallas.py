@@ -189,7 +189,7 @@ def test_layout_and_schedule(n_buckets):
         (dict(pattern="sw+lsh"), r"supports the patterns \('lsh', 'ks', 'lsh\+ks'\).*'sw\+lsh'"),
         (dict(pattern="full"), r"supports the patterns .*'full'"),
         (dict(pattern="sink+ks"), r"supports the patterns .*'sink\+ks'"),
-        (dict(pattern="dilated"), r"supports the patterns .*'dilated'"),  # before max_len
+        (dict(pattern="dilated", max_len=64), r"supports the patterns .*'dilated'"),
         (dict(official_code=True), "no official_code mode"),
         (dict(variant="cpu"), "variant must be one of"),
         (dict(block_q=48), "block_q must be a power of two >= 16, got 48"),

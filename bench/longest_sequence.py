@@ -1,0 +1,69 @@
+"""The longest row one training step fits: train.py's step at doubling lengths until one fails.
+
+    python bench/longest_sequence.py --case lm_mamba2_130m_32k [--lengths 65536,131072,...]
+        [--set mesh.data=1 mesh.seq=2] [--timeout 240]
+
+Each length runs in its own process (`bench/train_throughput.py --no-e2e --steps 2 --set
+data.seq_len=L ...`): an out-of-memory error leaves the next attempt a clean device and its peak
+memory is that length's alone. Stops at the first length that does not compile and run (out of
+memory, an error, or past --timeout seconds) and prints a markdown table: length, step ms,
+tokens/s, peak GiB per device, or why it failed.
+"""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+DEFAULT_LENGTHS = ",".join(str(2**k) for k in range(16, 21))  # 64K ... 1M
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def attempt(case: str, length: int, overrides: list[str], timeout: float) -> dict:
+    """One step at `length` tokens a row in a fresh process: its result row, or why it failed."""
+    command = [
+        sys.executable, str(ROOT / "bench/train_throughput.py"), "--cases", case, "--no-e2e",
+        "--steps", "2", "--set", f"data.seq_len={length}", *overrides,
+    ]  # fmt: skip
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        # Whether it was still compiling: train_throughput prints when the first step is done.
+        out = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+        stage = (
+            "after the first step" if "compiled and ran" in out else "before the first step ended"
+        )
+        return {"length": length, "failed": f"past {timeout:.0f} s, {stage}"}
+    rows = [line for line in run.stdout.splitlines() if line.startswith(f"| {case} |")]
+    if run.returncode == 0 and rows:
+        cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+        return {"length": length, "step_ms": cells[4], "tokens_per_s": cells[6],
+                "peak_gib": cells[9]}  # fmt: skip
+    log = run.stdout + run.stderr
+    why = "out of memory" if any(s in log for s in OUT_OF_MEMORY) else "error"
+    last = [line for line in log.splitlines() if line.strip()][-1:] or [""]
+    return {"length": length, "failed": f"{why} (rc {run.returncode}): {last[0][:160]}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", required=True, help="a case of bench/train_throughput.py")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated, ascending")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides (e.g. a mesh)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per attempt")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"\n{args.case} {' '.join(args.set)}\n\n| tokens a row | step ms | tokens/s | peak GiB "
+          "per device |\n| ---: | ---: | ---: | --- |", flush=True)  # fmt: skip
+    for length in lengths:
+        r = attempt(args.case, length, args.set, args.timeout)
+        if "failed" in r:
+            print(f"| {length:,} | | | did not fit: {r['failed']} |", flush=True)
+            break
+        print(f"| {length:,} | {r['step_ms']} | {r['tokens_per_s']} | {r['peak_gib']} |",
+              flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
