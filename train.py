@@ -6,8 +6,6 @@ loss saves the last good state and stops. Metrics go to workdir/metrics.jsonl an
 """
 
 import functools
-import math
-import os
 import signal
 import sys
 import time
@@ -16,15 +14,11 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from hax_jax import checkpoint, optim, parallel, sharding, training
+from hax_jax import checkpoint, distributed, optim, parallel, sharding, training
 from hax_jax import config as config_lib
 from hax_jax.data import pipeline
-from hax_jax.layers.hax_attention import init_qk_from_bc
 from hax_jax.metrics import Metrics, ProgressBar
-from hax_jax.models.lm import LanguageModel
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
 DEFAULT_CONFIG = "configs/main.py"
@@ -41,52 +35,6 @@ def resolve_config(argv: list[str]) -> config_lib.Config:
     return cfg
 
 
-def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
-    """Fresh parameters, created directly in their shardings; then `init_from` loaded over them."""
-    params = jax.jit(
-        lambda: nnx.to_pure_dict(
-            nnx.state(LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param)
-        ),
-        out_shardings=shardings,
-    )()
-    if not cfg.train.init_from:
-        return params
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-    )
-    loaded = checkpoint.restore_params(cfg.train.init_from, target)
-    return _qk_from_bc(_overlay(params, loaded), loaded, cfg.model)
-
-
-def _qk_from_bc(params: dict, loaded: dict, model: config_lib.ModelConfig) -> dict:
-    """Mamba-1 layers given a new HAX branch: its q/k projection from x_proj's C / B (HAX App. D.2)."""
-    dt_rank = model.mamba.dt_rank or math.ceil(model.d_model / 16)
-    for key, layer in params["layers"].items():
-        mixer, had = layer["mixer"], loaded.get("layers", {}).get(key, {}).get("mixer", {})
-        if "x_proj" in mixer and "branch" in mixer and "branch" not in had:
-            mixer["branch"]["qk_proj"]["kernel"] = init_qk_from_bc(
-                mixer["x_proj"]["kernel"], dt_rank=dt_rank, d_state=model.mamba.d_state
-            )
-    return params
-
-
-def _overlay(base: dict, top: dict) -> dict:
-    """`base` with the leaves of `top` (a sub-tree of it) put in."""
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _overlay(base[key], value) if isinstance(value, dict) else value
-    return out
-
-
-def state_shardings(state_shape, param_shardings: dict, tx, mesh):
-    """Shardings of the TrainState: optimizer moments follow their parameters, scalars replicated."""
-    replicated = NamedSharding(mesh, P())
-    opt = optim.opt_state_shardings(tx, state_shape.opt_state, param_shardings, replicated)
-    return training.TrainState(
-        step=replicated, params=param_shardings, opt_state=opt, rng=replicated, healthy=replicated
-    )
-
-
 def _model_inputs(cfg, batch: dict) -> dict:
     """Drops seq_idx unless the task packs documents and the config passes their boundaries."""
     packed = cfg.data.task in ("tokens", "text") and cfg.data.document_boundaries
@@ -95,8 +43,7 @@ def _model_inputs(cfg, batch: dict) -> dict:
 
 def main(argv: list[str]) -> dict:
     """Trains to train.num_steps (or until SIGTERM / a non-finite loss); returns the last metrics."""
-    if "JAX_COORDINATOR_ADDRESS" in os.environ:  # multi-process: one per host (or per GPU)
-        jax.distributed.initialize()
+    distributed.initialize()  # multi-process: one per host (or per GPU); see hax_jax/distributed
     cfg = resolve_config(argv)
     workdir = Path(cfg.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -115,13 +62,16 @@ class Trainer:
         tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
         init = functools.partial(training.init_state, tx=tx, seed=cfg.seed)
         shape = jax.eval_shape(init, nnx.to_pure_dict(abstract))
-        state_sh = state_shardings(shape, param_sh, tx, mesh)
+        state_sh = training.state_shardings(shape, param_sh, tx, mesh)
         self.manager = checkpoint.train_checkpointer(workdir, cfg.train.keep_checkpoints)
-        self.iterator = iter(pipeline.train_dataset(cfg, str(workdir)))
+        self.rows = _process_rows(cfg, mesh, self.rules)
+        self.iterator = iter(pipeline.train_dataset(cfg, str(workdir), self.rows))
         latest = self.manager.latest_step()
         if latest is None:
-            self.state = jax.jit(init, out_shardings=state_sh)(init_params(cfg, graphdef, param_sh))
-            config_lib.save_json(cfg, workdir / "config.json")
+            params = training.init_params(cfg, graphdef, param_sh)
+            self.state = jax.jit(init, out_shardings=state_sh)(params)
+            if distributed.is_main():
+                config_lib.save_json(cfg, workdir / "config.json")
         else:  # resume exactly: the same model and data, the state and the iterator as saved
             saved = checkpoint.saved_config(self.manager, latest)
             checkpoint.check_resumable(saved, cfg, str(workdir))
@@ -151,14 +101,12 @@ class Trainer:
         parallel.check_sequence_split(
             self.row_length, self.mesh.shape["seq"], model.mixer_kinds, model.mamba2.chunk_size
         )
-        out = {}
-        for name, value in rows.items():
-            names = ("batch", "seq")[: value.ndim]
-            spec = sharding.logical_to_spec(names, value.shape, self.mesh, self.rules)
-            out[name] = jax.make_array_from_process_local_data(
-                NamedSharding(self.mesh, spec), value
-            )
-        return out
+        size, mesh = self.cfg.data.batch_size, self.mesh
+        axes = {name: ("batch", "seq")[: value.ndim] for name, value in rows.items()}
+        return {
+            name: sharding.global_batch_array(value, self.rows, size, axes[name], mesh, self.rules)
+            for name, value in rows.items()
+        }
 
     @property
     def rules(self):
@@ -208,7 +156,7 @@ class Trainer:
         if self.stop_requested:
             print(f"SIGTERM: saving step {step} and stopping", file=sys.stderr)
             self.save(step)
-        self.manager.wait_until_finished()
+        self._wait_for_saves()
         signal.signal(signal.SIGTERM, previous)
         return last
 
@@ -218,7 +166,7 @@ class Trainer:
         if not np.isfinite(values["loss"]) or not np.isfinite(values["grad_norm"]):
             good = _scalar(self.state.step, int)  # updates stopped at the last finite step
             self.save(good)
-            self.manager.wait_until_finished()
+            self._wait_for_saves()
             raise FloatingPointError(
                 f"non-finite training loss {values['loss']} (grad norm {values['grad_norm']}) at "
                 f"step {step}; saved the last good state (step {good}) in {self.workdir}/checkpoints"
@@ -245,16 +193,33 @@ class Trainer:
     def eval_rows(self) -> list[dict]:
         """The validation batches, generated once (joint recall draws them by rejection: slow)."""
         limit = self.cfg.data.joint_recall.eval_batches
-        return list(pipeline.eval_batches(self.cfg, str(self.workdir), "valid", limit))
+        return list(pipeline.eval_batches(self.cfg, str(self.workdir), "valid", limit, self.rows))
 
     @functools.cached_property
     def best(self):
         """The best-by-validation checkpoint manager."""
         return checkpoint.best_checkpointer(self.workdir)
 
+    def _wait_for_saves(self) -> None:
+        """Waits for the async checkpoints (also the best parameters'): a process that exits while
+        one is being written leaves the other processes waiting at its barrier."""
+        self.manager.wait_until_finished()
+        if "best" in self.__dict__:  # the cached manager exists once an evaluation has run
+            self.best.wait_until_finished()
+
     def _on_sigterm(self, signum, frame) -> None:
         """Finish the current step, save, exit cleanly."""
         self.stop_requested = True
+
+
+def _process_rows(cfg, mesh, rules) -> tuple[int, int]:
+    """The rows of every global batch this process reads; an error unless "data" splits the batch
+    into whole rows per device."""
+    size, data = cfg.data.batch_size, mesh.shape["data"]
+    if size % data:
+        auto = f" (mesh.data=-1 took all {data} devices)" if cfg.mesh.data == -1 else ""
+        raise ValueError(f"data.batch_size={size} must be a multiple of mesh.data={data}{auto}")
+    return sharding.process_rows(size, mesh, rules)
 
 
 def _scalar(x, kind=float):

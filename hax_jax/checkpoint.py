@@ -109,7 +109,11 @@ def load_for_eval(path: str | Path) -> tuple[LanguageModel, config_lib.Config, l
 
 def train_checkpointer(workdir: str | Path, keep: int) -> ocp.CheckpointManager:
     """The manager of a run's checkpoints: the latest `keep`, written asynchronously."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        enable_async_checkpointing=True,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix="train"),
+    )
     return ocp.CheckpointManager(
         Path(workdir).absolute() / "checkpoints", options=options, item_names=CHECKPOINT_ITEMS
     )
@@ -120,8 +124,13 @@ CHECKPOINT_ITEMS = ("state", "data", "config")
 
 def best_checkpointer(workdir: str | Path) -> ocp.CheckpointManager:
     """The manager of the best parameters by validation accuracy (one kept)."""
+    # Its own barrier names: saved at the same step as the train checkpoint, the two managers'
+    # multi-process barriers would otherwise share a key ("_async_write_complete.<step>") and hang.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=1, best_fn=lambda metrics: metrics["valid_accuracy"], best_mode="max"
+        max_to_keep=1,
+        best_fn=lambda metrics: metrics["valid_accuracy"],
+        best_mode="max",
+        multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix="best"),
     )
     return ocp.CheckpointManager(
         Path(workdir).absolute() / "best", options=options, item_names=("params", "config")

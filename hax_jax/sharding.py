@@ -175,6 +175,41 @@ def logical_axes_dict(state) -> dict:
     return nnx.to_pure_dict(state, lambda v: v.get_metadata().get("logical_axes"))
 
 
+# ----------------------------------------------------------------------------- batches
+
+
+def process_rows(batch_size: int, mesh: Mesh, rules: Rules = RULES) -> tuple[int, int]:
+    """[start, stop) of a global batch's rows that this process's devices hold.
+
+    Derived from the mesh, not the process count: where "data" does not split the rows across
+    processes (data=1 with seq or tensor over two hosts), every process holds all of them.
+    """
+    spec = logical_to_spec(("batch",), (batch_size,), mesh, rules)
+    held = NamedSharding(mesh, spec).addressable_devices_indices_map((batch_size,))
+    ranges = [index[0].indices(batch_size)[:2] for index in held.values()]
+    return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
+
+def global_batch_array(
+    local: np.ndarray, rows: tuple[int, int], batch_size: int, names: Sequence[str], mesh: Mesh,
+    rules: Rules = RULES,
+) -> jax.Array:  # fmt: skip
+    """The global (batch_size, ...) array laid out by the logical `names`, of which this process
+    holds rows `rows` (from `process_rows`) as `local`; each device takes its own block of them
+    (rows, and positions when "seq" splits them)."""
+    shape = (batch_size, *local.shape[1:])
+    if local.shape[0] != rows[1] - rows[0]:
+        raise ValueError(f"{local.shape[0]} local rows, but this process holds rows {rows}")
+    sharding = NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        """The block of a device at global `index`, from this process's rows."""
+        start, stop, _ = index[0].indices(batch_size)
+        return local[(slice(start - rows[0], stop - rows[0]), *index[1:])]
+
+    return jax.make_array_from_callback(shape, sharding, block)
+
+
 # ----------------------------------------------------------------------------- activations
 
 

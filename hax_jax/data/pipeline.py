@@ -18,6 +18,7 @@ import numpy as np
 
 from hax_jax.config import Config
 from hax_jax.data import joint_recall, mqar, text, tokens
+from hax_jax.distributed import barrier, is_main
 
 # Few threads and a short buffer: rows are cheap to make and a batch of 64 x 1057 is already 1.4 MB.
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
@@ -94,8 +95,11 @@ def text_token_files(cfg: Config, workdir: str | Path) -> tuple[str, str]:
     if not data.path:
         raise ValueError("data.task='text' needs data.path (a UTF-8 text file)")
     tokenizer_dir = Path(data.tokenizer or Path(workdir) / "tokenizer")
-    if not data.tokenizer and not (tokenizer_dir / "tokenizer.json").is_file():
+    # One process trains the tokenizer and tokenizes; the others wait, then read its files (the
+    # barriers are unconditional: every process must reach each of them).
+    if is_main() and not data.tokenizer and not (tokenizer_dir / "tokenizer.json").is_file():
         text.train_tokenizer([data.path], tokenizer_dir, cfg.model.vocab_size)
+    barrier("tokenizer")
     tokenizer = text.load_tokenizer(tokenizer_dir)
     text.check_vocab(tokenizer, cfg.model.vocab_size)
     vocab_key = (tokenizer_dir / "tokenizer.json").read_bytes()
@@ -110,63 +114,82 @@ def text_token_files(cfg: Config, workdir: str | Path) -> tuple[str, str]:
         key = f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{data.eos_id}".encode()
         digest = hashlib.blake2b(key + vocab_key, digest_size=8).hexdigest()
         cached = Path(workdir) / "tokens" / f"{Path(path).stem}-{digest}.npy"
-        if not cached.is_file():
-            # Write then rename: a reader (another process) never sees half a file.
+        if is_main() and not cached.is_file():
+            # Write then rename: a reader (another run) never sees half a file.
             partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npy")
             text.tokenize_file(path, tokenizer, partial, data.eos_id)
             os.replace(partial, cached)
+        barrier(f"tokens {cached.name}")
         out.append(str(cached))
     return out[0], out[1]
 
 
-def process_batch_size(batch_size: int) -> int:
-    """This process's share of the global batch; an error unless it divides evenly."""
+def default_rows(batch_size: int) -> tuple[int, int]:
+    """Rows [start, stop) of each global batch this process reads when no mesh says otherwise:
+    all of them in one process, else its contiguous equal share (an error unless that divides)."""
     count = jax.process_count()
     if batch_size % count:
         raise ValueError(
             f"data.batch_size={batch_size} must be a multiple of jax.process_count()={count}"
         )
-    return batch_size // count
+    share = batch_size // count
+    return jax.process_index() * share, (jax.process_index() + 1) * share
 
 
-def train_dataset(cfg: Config, workdir: str | Path) -> grain.IterDataset:
+def train_dataset(
+    cfg: Config, workdir: str | Path, rows: tuple[int, int] | None = None
+) -> grain.IterDataset:
     """Endless training batches of this process, a checkpointable grain IterDataset.
 
-    source -> shuffle (not mqar: its curriculum order is the schedule) -> repeat -> every
-    process_count-th row from process_index -> batch -> iter. Iterator state = rows consumed, so
+    source -> shuffle (not mqar: its curriculum order is the schedule) -> repeat: the global batch
+    b is rows [b B, (b + 1) B) of that stream (B = data.batch_size), and this process reads its
+    `rows` [start, stop) of every global batch (sharding.process_rows; default_rows without a
+    mesh). Processes holding the same rows read the same ones. Iterator state = rows consumed, so
     `get_state`/`set_state` (or grain.checkpoint.CheckpointSave/Restore) resume at the next batch.
     """
-    rows = process_batch_size(cfg.data.batch_size)
+    batch_size = cfg.data.batch_size
+    start, stop = rows or default_rows(batch_size)
     ds = grain.MapDataset.source(make_source(cfg, "train", workdir))
     if cfg.data.task != "mqar":
         ds = ds.shuffle(seed=cfg.data.seed)  # a fresh permutation every epoch
-    ds = ds.repeat(None)
-    ds = ds[jax.process_index() :: jax.process_count()]
-    return ds.batch(rows, drop_remainder=True).to_iter_dataset(READ_OPTIONS)
+    stream = ds.repeat(None)
+    count = stop - start
+    # Row k of this process: row start + k % count of global batch k // count.
+    mine = grain.MapDataset.range(len(stream) // batch_size * count).map(
+        lambda k: stream[k // count * batch_size + start + k % count]
+    )
+    return mine.batch(count, drop_remainder=True).to_iter_dataset(READ_OPTIONS)
 
 
-def eval_batches(cfg: Config, workdir: str | Path, split: str = "valid", max_batches: int = 0):
+def eval_batches(
+    cfg: Config,
+    workdir: str | Path,
+    split: str = "valid",
+    max_batches: int = 0,
+    rows: tuple[int, int] | None = None,
+):
     """This process's evaluation batches of `split`, in order, each example exactly once.
 
-    Global batch b holds examples [b B, (b + 1) B); process p takes its contiguous share of it. The
-    last batch is padded with weight-0 rows, so every process yields the same number of batches of
-    the same shape. max_batches > 0 stops after that many.
+    Global batch b holds examples [b B, (b + 1) B); the process takes its `rows` [start, stop) of
+    it (as train_dataset). The last batch is padded with weight-0 rows, so every process yields the
+    same number of batches of the same shape. max_batches > 0 stops after that many.
     """
     source = make_source(cfg, split, workdir)
-    batch_size, rows = cfg.data.batch_size, process_batch_size(cfg.data.batch_size)
+    batch_size = cfg.data.batch_size
+    first, stop = rows or default_rows(batch_size)
+    count = stop - first
     n_batches = math.ceil(len(source) / batch_size)
     if max_batches > 0:
         n_batches = min(n_batches, max_batches)
-    first = jax.process_index() * rows
     blank = {k: np.zeros_like(v) for k, v in source[0].items()}
 
     def make_batch(b: int) -> dict[str, np.ndarray]:
-        """Global batch b's rows of this process, padded to `rows`."""
+        """Global batch b's rows of this process, padded to `count`."""
         start = b * batch_size + first
-        examples = [source[i] for i in range(start, min(start + rows, len(source)))]
-        weight = np.zeros(rows, np.int32)
+        examples = [source[i] for i in range(start, min(start + count, len(source)))]
+        weight = np.zeros(count, np.int32)
         weight[: len(examples)] = 1
-        examples += [blank] * (rows - len(examples))
+        examples += [blank] * (count - len(examples))
         batch = {k: np.stack([e[k] for e in examples]) for k in blank}
         return {**batch, "weight": weight}
 

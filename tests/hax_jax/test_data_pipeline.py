@@ -89,10 +89,17 @@ def test_processes_share_the_global_batch(tmp_path, monkeypatch):
     for p in range(2):
         monkeypatch.setattr(jax, "process_index", lambda p=p: p)
         parts.append(take(iter(pipeline.train_dataset(cfg, tmp_path)), 2))
+    # By default each process reads its contiguous half of every global batch.
     for b in range(2):
         assert parts[0][b]["inputs"].shape == (2, 43)
-        interleaved = np.stack([parts[0][b]["inputs"], parts[1][b]["inputs"]], 1).reshape(4, 43)
-        np.testing.assert_array_equal(interleaved, whole[b]["inputs"])
+        halves = np.concatenate([parts[0][b]["inputs"], parts[1][b]["inputs"]])
+        np.testing.assert_array_equal(halves, whole[b]["inputs"])
+    # Rows from the mesh: processes that hold the same rows (or all of them) read the same ones.
+    middle = take(iter(pipeline.train_dataset(cfg, tmp_path, rows=(1, 3))), 2)
+    every = take(iter(pipeline.train_dataset(cfg, tmp_path, rows=(0, 4))), 2)
+    for b in range(2):
+        np.testing.assert_array_equal(middle[b]["inputs"], whole[b]["inputs"][1:3])
+        np.testing.assert_array_equal(every[b]["inputs"], whole[b]["inputs"])
     with pytest.raises(ValueError, match="batch_size=3 must be a multiple of jax.process_count"):
         pipeline.train_dataset(
             dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=3)), tmp_path

@@ -163,6 +163,7 @@ def test_workdir_eval_reads_the_best_checkpoint(tmp_path):
         "train.eval_every=2",
         "train.progress=false",
         "data.batch_size=4",
+        "mesh.data=1",
         "data.joint_recall.valid_size=8",
         "data.joint_recall.eval_batches=0",
         "model.block_pattern=mamba2",
