@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> dict:
     for override in args.overrides:
         if not override.startswith("data."):
             raise ValueError(f"eval.py takes data.* overrides only, got {override!r}")
+    # A tokenizer asked for by name is used or refused, never replaced by the checkpoint's.
+    if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer {args.tokenizer!r} holds no tokenizer.json")
     model, cfg, tokenizer_dirs = checkpoint.load_for_eval(args.path)
     cfg = config_lib.apply_overrides(cfg, args.overrides)
     tokenizer = None

@@ -1,9 +1,12 @@
 """Conversion: logits equal to transformers' on tiny random models; HF -> hax_jax -> HF round trip; errors."""
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,9 +14,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from flax import nnx  # noqa: E402
 from hf_models import hf_mamba, hf_mamba2  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
 
-from hax_jax import convert, load_pretrained  # noqa: E402
+from hax_jax import LanguageModel, convert, load_pretrained, save_pretrained  # noqa: E402
+from hax_jax.config import SparseConfig  # noqa: E402
 
 LOGIT_ATOL = 2e-4  # fp32, the issue's bar
 
@@ -214,3 +220,105 @@ def test_errors_name_the_problem(tmp_path):
         model(jnp.array([[1, -1]]))
     with pytest.raises(ValueError, match="tokens must be integer with 2 axes"):
         model(jnp.zeros((2, 3)))
+
+
+def _hax_model_dir(tmp_path):
+    """A tiny HAX-Mamba-2 (the HF Mamba-2 config with an lsh+ks branch), saved as ours."""
+    src = _save_hf(hf_mamba2(tmp_path), tmp_path / "hf", "safetensors")
+    sparse = SparseConfig(pattern="lsh+ks", num_keys=8, max_len=64)
+    cfg = dataclasses.replace(convert.read_config(src), sparse=sparse)
+    model = LanguageModel(cfg, rngs=nnx.Rngs(3))
+    save_pretrained(model, tmp_path / "hax")
+    return tmp_path / "hax", model
+
+
+def test_to_hf_refuses_the_sparse_branch_unless_told_to_drop_it(tmp_path, capsys):
+    """HF has no sparse branch: --to-hf refuses a HAX model, naming the pattern and the flag,
+    and writes nothing; --drop-sparse-branch writes the SSM with a warning, transformers loads
+    it, and converting it back gives every SSM parameter unchanged."""
+    src, model = _hax_model_dir(tmp_path)
+    out = tmp_path / "hf_out"
+    with pytest.raises(SystemExit) as exit_:
+        convert.cli([str(src), str(out), "--to-hf"])
+    message = str(exit_.value.code)
+    assert message.startswith("error: the model has a HAX sparse branch")
+    assert "model.sparse.pattern='lsh+ks'" in message and "--drop-sparse-branch" in message
+    assert not out.exists()
+
+    convert.cli([str(src), str(out), "--to-hf", "--drop-sparse-branch"])
+    assert "warning: dropped the sparse branch (model.sparse.pattern='lsh+ks')" in (
+        capsys.readouterr().err
+    )
+    tokens = _tokens(64)
+    back = convert.from_pretrained_dir(out)
+    assert not back.cfg.sparse.pattern
+    np.testing.assert_allclose(
+        np.asarray(back(jnp.asarray(tokens))),
+        _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval(), tokens),
+        atol=LOGIT_ATOL,
+        rtol=0,
+    )
+    ours = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    again = nnx.to_pure_dict(nnx.state(back, nnx.Param))
+    flat = dict(jax.tree_util.tree_flatten_with_path(ours)[0])
+    for path, value in jax.tree_util.tree_flatten_with_path(again)[0]:
+        np.testing.assert_array_equal(value, flat[path], err_msg=jax.tree_util.keystr(path))
+    dropped = [p for p in flat if "branch" in jax.tree_util.keystr(p)]
+    assert dropped and len(flat) == len(jax.tree.leaves(again)) + len(dropped)
+
+
+def test_command_line_failures_are_one_error_line(tmp_path):
+    """Every failure of the command line is `error: ...` naming the file or value, no traceback."""
+    src = _save_hf(hf_mamba(tmp_path), tmp_path / "hf", "safetensors")
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as exit_:
+            convert.cli([str(a) for a in argv])
+        return str(exit_.value.code)
+
+    def broken(name, edit):
+        """A copy of the HF directory with one thing edited."""
+        path = tmp_path / name
+        shutil.copytree(src, path)
+        edit(path)
+        return path
+
+    out = tmp_path / "out"
+    assert (
+        error(tmp_path / "nowhere", out)
+        == f"error: {str(tmp_path / 'nowhere')!r} is not a directory"
+    )
+    assert "not a hax_jax checkpoint" in error(tmp_path / "nowhere", out, "--to-hf")
+    no_config = broken("no_config", lambda p: (p / "config.json").unlink())
+    assert error(no_config, out).endswith("is not a Mamba checkpoint: it has no config.json")
+    llama = broken("llama", lambda p: (p / "config.json").write_text('{"model_type": "llama"}'))
+    assert "unknown model_type 'llama'" in error(llama, out)
+    bad_json = broken("bad_json", lambda p: (p / "config.json").write_text('{"model_type": '))
+    assert f"{str(bad_json / 'config.json')!r} is not valid JSON" in error(bad_json, out)
+
+    def truncate(path):
+        weights = path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    cut = broken("cut", truncate)
+    weights = str(cut / "model.safetensors")
+    assert f"{weights!r} is not a readable safetensors file" in error(cut, out)
+    tensors = convert.read_tensors(src)
+
+    def rewrite(changed):
+        return lambda p: save_file(changed, p / "model.safetensors", metadata={"format": "pt"})
+
+    key = "backbone.layers.0.mixer.A_log"
+    wrong = broken("wrong", rewrite({**tensors, key: np.zeros((64, 9), np.float32)}))
+    assert f"{key!r} has shape (64, 9), expected (64, 8)" in error(wrong, out)
+    missing = broken("missing", rewrite({k: v for k, v in tensors.items() if k != key}))
+    assert f"missing tensors: [{key!r}]" in error(missing, out)
+    assert not out.exists()
+    # As a user runs it: one line on stderr, exit status 1.
+    run = subprocess.run(
+        [sys.executable, "-m", "hax_jax.convert", str(cut), str(out)],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [error(cut, out)], run.stderr

@@ -147,6 +147,15 @@ def test_text_task_without_tokenizer_is_a_clear_error(tiny, tmp_path):
         eval_cli.main([str(bare), "--tasks", "niah_single_1", "--lengths", "512"])
 
 
+def test_a_tokenizer_directory_without_tokenizer_json_is_refused(tiny, tmp_path):
+    """--tokenizer names the tokenizer to use: a directory without one is an error, not a
+    fallback to the checkpoint's tokenizer (tiny's has one)."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=f"--tokenizer '{tmp_path / 'empty'}' holds no"):
+        argv = ["--tasks", "niah_single_1", "--lengths", "512", "--tokenizer"]
+        eval_cli.main([str(tiny["ckpt"]), *argv, str(tmp_path / "empty")])
+
+
 def test_decoding_long_ruler_prompts_on_cpu(tiny, tmp_path):
     results = eval_cli.main(
         [str(tiny["ckpt"]), "--tasks", "niah_single_1", "--lengths", "4096", "--num-examples", "2"]
