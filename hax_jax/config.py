@@ -226,6 +226,15 @@ class JointRecallConfig:
     valid_size: int = 14_400  # and 100 per pair for valid and test
     eval_batches: int = 0  # validation batches per evaluation; 0 = the whole valid split
 
+    def __post_init__(self):
+        # An empty split fails only once training reaches it (an IndexError at the first evaluation,
+        # a StopIteration at the first batch): refuse it here.
+        for name in ("train_size", "valid_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"data.joint_recall.{name} must be positive, got {getattr(self, name)}"
+                )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MqarConfig:
@@ -237,6 +246,13 @@ class MqarConfig:
     stage_epochs: int = 8  # ... each seen this many times before the next stage
     random_fill: bool = True  # fill non-kv/query positions with random tokens (the harder variant)
     valid_size: int = 3_000  # validation examples (at num_kv_pairs)
+
+    def __post_init__(self):
+        # An empty valid split fails only at the first evaluation (as joint recall's); the data
+        # sources check the others, but only once a run starts and without the config key.
+        for name in ("num_kv_pairs", "stage_examples", "stage_epochs", "valid_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.mqar.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -399,7 +415,7 @@ def parse_value(raw: str, hint: Any, key: str) -> Any:
         types_ = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
         if len(types_) != len(items):
             raise bad
-        return tuple(parse_value(s, t, key) for s, t in zip(items, types_))
+        return tuple(parse_value(s, t, key) for s, t in zip(items, types_, strict=True))
     if hint is bool:
         if text.lower() in ("true", "1", "yes"):
             return True
@@ -454,8 +470,12 @@ def save_json(cfg: Any, path: str | Path) -> None:
 
 
 def load_json(cls: type, path: str | Path) -> Any:
-    """Reads a config written by `save_json`."""
-    return from_dict(cls, json.loads(Path(path).read_text()))
+    """Reads a config written by `save_json`; a damaged file is an error naming it, not a traceback."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
+    return from_dict(cls, data)
 
 
 def load_config_file(spec: str | Path) -> Config:

@@ -177,7 +177,7 @@ def generate(
       mask: (b, l) bool, True at real tokens, one contiguous run per row; None = all real.
       temperature, top_k, top_p: sampling (temperature 0 = greedy).
       seed: the sampling key; the same seed gives the same tokens.
-      stop_tokens: ids that end a row (the stop token is kept in the output).
+      stop_tokens: ids that end a row (the stop token is kept in the output); None = none.
       pad_id: fills each row's output after it stops.
       return_logits: also return the fp32 logits each generated token was drawn from.
 
@@ -201,7 +201,7 @@ def generate(
         jnp.asarray(lengths),
         jnp.asarray(start, jnp.int32),
         jax.random.key(seed),
-        jnp.asarray(stop_tokens, jnp.int32).reshape(-1),
+        _stop_ids(stop_tokens),
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         return_logits=return_logits,
@@ -232,7 +232,7 @@ def generate_reference(
     prompts, lengths = _pack_prompts(model, tokens, mask, max_new_tokens)
     sampling = _sampling(temperature, top_k, top_p)
     b, m = prompts.shape[0], max_new_tokens
-    key, stop = jax.random.key(seed), jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
+    key, stop = jax.random.key(seed), _stop_ids(stop_tokens)
     graphdef, state = nnx.split(model)
     start = int(lengths.min())
     seq = jnp.zeros((b, prompts.shape[1] + m), jnp.int32).at[:, :start].set(prompts[:, :start])
@@ -267,30 +267,51 @@ def _result(model, out, count, out_logits, return_logits: bool) -> Generation:
     return Generation(np.asarray(out), np.asarray(count), logits)
 
 
+def _is_int(value) -> bool:
+    """An int or numpy integer, not a bool (True would silently mean 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A Python or numpy real number, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def _sampling(temperature: float, top_k: int, top_p: float) -> Sampling:
     """Checked sampling settings."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0")
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k} must be >= 0 (0 = no limit)")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not _is_real(temperature) or not temperature >= 0:  # `not >=` also refuses NaN
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0 = no limit)")
+    if not _is_real(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1]")
     return Sampling(float(temperature), int(top_k), float(top_p))
+
+
+def _stop_ids(stop_tokens) -> jax.Array:
+    """The stop ids as a flat int32 array; None and () mean none."""
+    ids = np.asarray(() if stop_tokens is None else stop_tokens)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(f"stop_tokens must be int ids, got {stop_tokens!r}")
+    return jnp.asarray(ids, jnp.int32).reshape(-1)
 
 
 def _pack_prompts(model: LanguageModel, tokens, mask, max_new_tokens: int):
     """Each row's real tokens moved to the front: (prompts (b, P) int32, lengths (b,) int32)."""
+    # max_new_tokens sizes the output and the caches: a float would fail deep inside jit.
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
         raise ValueError(f"tokens must be integer (b, l), got {tokens.dtype} {tokens.shape}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if tokens.shape[0] == 0:
+        raise ValueError(f"tokens must hold at least one prompt, got batch size 0 {tokens.shape}")
     mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
     if mask.shape != tokens.shape:
         raise ValueError(f"mask shape {mask.shape} differs from tokens shape {tokens.shape}")
     lengths = mask.sum(axis=1).astype(np.int32)
     prompts = np.zeros((tokens.shape[0], max(int(lengths.max(initial=0)), 1)), np.int32)
-    for i, (row, real) in enumerate(zip(tokens, mask)):
+    for i, (row, real) in enumerate(zip(tokens, mask, strict=True)):
         where = np.flatnonzero(real)
         if where.size == 0:
             raise ValueError(f"row {i} has no real token (mask is all False)")

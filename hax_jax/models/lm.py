@@ -89,7 +89,7 @@ class LanguageModel(nnx.Module):
 
         The loss takes this and `head` to compute logits a chunk of positions at a time.
         """
-        self._check_tokens(tokens, ndim=2)
+        tokens = self._check_tokens(tokens, ndim=2)
         block = _remat_block if self._remat(tokens.shape[1]) else _block
         # Block boundaries carry the residual stream as (batch, seq, embed) under the current mesh.
         x = shard(self._embed(tokens), "batch", "seq", "embed")
@@ -113,10 +113,10 @@ class LanguageModel(nnx.Module):
 
     def step(self, tokens: jax.Array, cache: tuple):
         """Recurrent mode, one token per row: tokens (b,) -> (logits (b, V), cache)."""
-        self._check_tokens(tokens, ndim=1)
+        tokens = self._check_tokens(tokens, ndim=1)
         x = self._embed(tokens)
         caches = []
-        for layer, layer_cache in zip(self.layers, cache):
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
             x, layer_cache = layer.step(x, layer_cache)
             caches.append(layer_cache)
         return self.head(self._final_norm(x)), tuple(caches)
@@ -134,14 +134,22 @@ class LanguageModel(nnx.Module):
         """Whether each block recomputes its activations in the backward, for rows of `length`."""
         return self.cfg.remat == "block" or (self.cfg.remat == "auto" and length >= REMAT_MIN_LEN)
 
-    def _check_tokens(self, tokens: jax.Array, *, ndim: int) -> None:
-        """Shape and dtype always; the id range too when the values are concrete (not under jit)."""
+    def _check_tokens(self, tokens, *, ndim: int) -> jax.Array:
+        """tokens as a jax array, checked: shape and dtype always, the id range too when the values
+        are concrete (not under jit). Lists and numpy arrays are accepted: users pass them."""
+        if not isinstance(tokens, jax.Array):
+            try:
+                tokens = np.asarray(tokens)
+            except ValueError:  # ragged lists
+                raise ValueError(
+                    f"tokens must be an integer array, got {type(tokens).__name__} {tokens!r:.80}"
+                ) from None
         if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != ndim:
             raise ValueError(
                 f"tokens must be integer with {ndim} axes, got {tokens.dtype} {tokens.shape}"
             )
         if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
-            return
+            return jnp.asarray(tokens)
         values = np.asarray(tokens)
         lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
@@ -149,3 +157,4 @@ class LanguageModel(nnx.Module):
             raise ValueError(
                 f"token id {bad} is out of range [0, vocab_size={self.cfg.vocab_size})"
             )
+        return jnp.asarray(tokens)
