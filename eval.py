@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     for task in args.tasks:
         if task not in known and not task.startswith("lm_eval:"):
             raise ValueError(f"unknown task {task!r}; known: {', '.join(known)}, lm_eval:<task>")
+    _check_lm_eval_tasks(args)
     for override in args.overrides:
         if not override.startswith("data."):
             raise ValueError(f"eval.py takes data.* overrides only, got {override!r}")
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
 
     results = {}
     for task in args.tasks:
+        _write(results, args.output)  # what is done so far survives a later task's failure
         if task in ("joint_recall", "mqar"):
             results[task] = heldout.recall(
                 model, cfg, task, split=args.split, batch_size=args.batch_size
@@ -148,7 +150,32 @@ def run(args: argparse.Namespace) -> dict:
                 )
         else:
             results[task] = lm_eval_task(task.partition(":")[2], model, tokenizer, args)
+    _write(results, args.output)
     return results
+
+
+def _write(results: dict, output: str) -> None:
+    """The results so far as JSON in `output` (if given), replaced whole (never half written)."""
+    if not output:
+        return
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(results, indent=2) + "\n")
+    partial.replace(path)
+
+
+def _check_lm_eval_tasks(args: argparse.Namespace) -> None:
+    """Every lm_eval:<task> names a task lm_eval knows, checked before the model loads."""
+    names = [t.partition(":")[2] for t in args.tasks if t.startswith("lm_eval:")]
+    if not names:
+        return
+    from lm_eval.tasks import TaskManager
+
+    known = set(TaskManager(include_path=args.lm_eval_include or None).all_tasks)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"lm_eval has no task {unknown[0]!r} (lm_eval --tasks list shows them)")
 
 
 def _needs_text(task: str, args: argparse.Namespace) -> bool:
@@ -194,11 +221,8 @@ def table(results: dict) -> str:
 def main(argv: list[str]) -> dict:
     """Runs the tasks, prints the table, writes the JSON."""
     args = parse_args(argv)
-    results = run(args)
+    results = run(args)  # writes --output as each task completes
     print(table(results))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 

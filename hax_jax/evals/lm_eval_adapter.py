@@ -24,6 +24,9 @@ from hax_jax import checkpoint
 from hax_jax.data import text
 from hax_jax.evals import text_model
 
+# Keys lm_eval adds to every model's arguments (from its own flags), which this model ignores.
+LM_EVAL_INJECTED = {"device", "max_batch_size"}
+
 
 @register_model("hax_jax")
 class HaxJaxLM(TemplateLM):
@@ -39,8 +42,22 @@ class HaxJaxLM(TemplateLM):
         loaded=None,
         **unused,
     ):
-        """From `path` (and `tokenizer`), or from `loaded` = (model, tokenizer) already in memory."""
+        """From `path` (and `tokenizer`), or from `loaded` = (model, tokenizer) already in memory.
+
+        ValueError naming a model_arg this model does not know (a misspelling would otherwise be
+        ignored) and a batch_size that is not a positive int ("auto" is HF's, not ours).
+        """
         super().__init__()
+        unknown = sorted(set(unused) - LM_EVAL_INJECTED)
+        if unknown:
+            raise ValueError(
+                f"unknown model_args {unknown} for the hax_jax model; it takes path, tokenizer, "
+                "batch_size, max_length, max_gen_toks"
+            )
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise ValueError(
+                f"batch_size must be a positive int for the hax_jax model, got {batch_size!r}"
+            )
         if loaded is not None:
             self.model, self.tokenizer = loaded
         else:
@@ -50,7 +67,7 @@ class HaxJaxLM(TemplateLM):
             self.tokenizer = text.find_tokenizer(
                 [tokenizer, *tokenizer_dirs], self.model.cfg.vocab_size, "the lm_eval adapter"
             )
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.batch_size = int(batch_size)
         self._max_length, self.max_gen_toks = int(max_length), int(max_gen_toks)
 
     @property

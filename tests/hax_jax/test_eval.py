@@ -230,3 +230,20 @@ def test_eval_cli_longbench_file(tiny, tmp_path):
     results = eval_cli.main([str(tiny["ckpt"]), *argv])
     assert results["longbench"]["hotpotqa"]["examples"] == 3
     assert results["longbench"]["hotpotqa"]["truncated"] == 3  # the context is longer than 128
+
+
+def test_a_misspelled_lm_eval_task_is_refused_before_the_model_loads(tmp_path):
+    """The path holds no checkpoint: the task name is checked first, so its error is the one."""
+    with pytest.raises(ValueError, match="lm_eval has no task 'hellaswagg'"):
+        eval_cli.main([str(tmp_path / "no_model"), "--tasks", "lm_eval:hellaswagg"])
+
+
+def test_finished_tasks_are_written_before_a_later_task_fails(tiny, tmp_path):
+    """--output holds each task's result as it completes: perplexity without --data fails after
+    joint recall ran, and joint recall's result is in the file."""
+    out = tmp_path / "results.json"
+    argv = [str(tiny["ckpt"]), "--tasks", "joint_recall,perplexity", "--output", str(out)]
+    with pytest.raises(ValueError, match="task 'perplexity' needs --data"):
+        eval_cli.main([*argv, "data.joint_recall.valid_size=4"])
+    written = json.loads(out.read_text())
+    assert list(written) == ["joint_recall"] and 0.0 <= written["joint_recall"]["accuracy"] <= 1.0

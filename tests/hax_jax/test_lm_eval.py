@@ -144,3 +144,18 @@ def test_lm_eval_command_line_runs_the_registered_model(run, tmp_path, monkeypat
     written = json.loads(next(tmp_path.rglob("results*.json")).read_text())
     expected = run["out"]["results"]["hax_mc"]["acc,none"]
     assert written["results"]["hax_mc"]["acc,none"] == expected
+
+
+@pytest.mark.parametrize(
+    "model_args, match",
+    [
+        ({"batch_sise": 4}, r"unknown model_args \['batch_sise'\] for the hax_jax model"),
+        ({"batch_size": "auto"}, "batch_size must be a positive int .*, got 'auto'"),
+        ({"batch_size": 0}, "batch_size must be a positive int .*, got 0"),
+    ],
+)
+def test_bad_model_args_are_refused(model_args, match):
+    """A misspelled model_arg or batch_size=auto is an error naming it (both were ignored: the
+    batch size silently became 8), before any model is loaded."""
+    with pytest.raises(ValueError, match=match):
+        HaxJaxLM(path="/nonexistent", **model_args)
