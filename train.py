@@ -192,7 +192,7 @@ class Trainer:
     @functools.cached_property
     def eval_rows(self) -> list[dict]:
         """The validation batches, generated once (joint recall draws them by rejection: slow)."""
-        limit = self.cfg.data.joint_recall.eval_batches
+        limit = self.cfg.data.eval_batches
         return list(pipeline.eval_batches(self.cfg, str(self.workdir), "valid", limit, self.rows))
 
     @functools.cached_property

@@ -132,7 +132,7 @@ def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0) -> dict:
             f"train.num_steps={n}",
             f"train.log_every={steps}",
             f"train.eval_every={n}",
-            "data.joint_recall.eval_batches=1",
+            "data.eval_batches=1",
         ]
     )
     lines = [json.loads(x) for x in (e2e_dir / "metrics.jsonl").read_text().splitlines()]

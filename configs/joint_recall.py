@@ -35,7 +35,7 @@ VARIANTS = tuple(
 
 
 def _base(d_model: int, base: str) -> ModelConfig:
-    """The HAX code's 2-layer Mamba / Mamba-2 on the joint-recall vocabulary (100 tokens, untied)."""
+    """The HAX code's 2-layer Mamba / Mamba-2 on the joint-recall vocabulary (100 tokens, tied embeddings)."""
     return ModelConfig(
         d_model=d_model,
         n_layer=2,

@@ -13,9 +13,10 @@ from hax_jax.models.lm import LanguageModel
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
-# Settings that trade memory for compute and leave the numbers alone: a run may resume with others
-# (remat switched on after running out of memory), or from a checkpoint written before they existed.
-MEMORY_SETTINGS = ("model.remat", "model.loss_chunk")
+# Settings that leave the trained numbers alone (memory for compute; how much validation runs): a
+# run may resume with others (remat switched on after running out of memory), or from a checkpoint
+# written before they existed.
+FREE_SETTINGS = ("model.remat", "model.loss_chunk", "data.eval_batches")
 
 
 def abstract_model(cfg: ModelConfig) -> LanguageModel:
@@ -157,10 +158,10 @@ def saved_config(manager, step: int) -> dict:
 
 def check_resumable(saved: dict, cfg, where: str) -> None:
     """Raises unless the checkpoint in `where` was written for the same model and data."""
-    current = config_lib.to_dict(cfg)
+    current, saved = config_lib.to_dict(cfg), config_lib.migrate_dict(saved)
     for section in ("model", "data"):
         diffs = _diff(saved.get(section, {}), current[section], section)
-        diffs = [d for d in diffs if d.partition(":")[0] not in MEMORY_SETTINGS]
+        diffs = [d for d in diffs if d.partition(":")[0] not in FREE_SETTINGS]
         if diffs:
             raise ValueError(
                 f"{where} holds a checkpoint of another {section} config ("

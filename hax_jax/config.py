@@ -224,7 +224,6 @@ class JointRecallConfig:
     outer_levels: tuple[int, ...] = ()  # multi-level contexts (App. C): sizes of extra outer levels
     train_size: int = 1_440_000  # the HAX code: 10000 per (n_context, n_key) pair, 144 pairs
     valid_size: int = 14_400  # and 100 per pair for valid and test
-    eval_batches: int = 0  # validation batches per evaluation; 0 = the whole valid split
 
     def __post_init__(self):
         # An empty split fails only once training reaches it (an IndexError at the first evaluation,
@@ -274,6 +273,7 @@ class DataConfig:
         ""  # text: a tokenizer directory (tokenizer.json); "" = train a BPE into workdir
     )
     seed: int = 0  # data order and generation
+    eval_batches: int = 0  # validation batches per evaluation (every task); 0 = the whole split
     joint_recall: JointRecallConfig = JointRecallConfig()
     mqar: MqarConfig = MqarConfig()
 
@@ -284,6 +284,8 @@ class DataConfig:
             raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
         if not 0.0 < self.valid_fraction < 1.0:
             raise ValueError(f"data.valid_fraction must be in (0, 1), got {self.valid_fraction}")
+        if self.eval_batches < 0:
+            raise ValueError(f"data.eval_batches must be >= 0 (0 = all), got {self.eval_batches}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -356,12 +358,19 @@ class Config:
 # ----------------------------------------------------------------------------- overrides
 
 
+# Keys that moved: an override of the old one is refused with the new one; a saved config (a
+# workdir's config.json, a checkpoint's) is read with the value moved.
+MOVED_KEYS = {"data.joint_recall.eval_batches": "data.eval_batches"}
+
+
 def apply_overrides(cfg: Any, overrides: typing.Sequence[str]) -> Any:
     """Returns `cfg` with dotted `key=value` overrides applied, each parsed to its field's type."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not of the form key=value")
+        if key in MOVED_KEYS:
+            raise ValueError(f"{key} is now {MOVED_KEYS[key]} (it applies to every task)")
         cfg = _replace_path(cfg, key.split("."), raw, key)
     return cfg
 
@@ -469,13 +478,31 @@ def save_json(cfg: Any, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
 
 
+def migrate_dict(data: dict) -> dict:
+    """A saved config dict with every MOVED_KEYS value at its new place (a copy)."""
+    data = json.loads(json.dumps(data))
+    for old, new in MOVED_KEYS.items():
+        *old_parents, old_leaf = old.split(".")
+        parent = data
+        for name in old_parents:
+            parent = parent.get(name, {}) if isinstance(parent, dict) else {}
+        if isinstance(parent, dict) and old_leaf in parent:
+            value = parent.pop(old_leaf)
+            *new_parents, new_leaf = new.split(".")
+            target = data
+            for name in new_parents:
+                target = target.setdefault(name, {})
+            target.setdefault(new_leaf, value)
+    return data
+
+
 def load_json(cls: type, path: str | Path) -> Any:
     """Reads a config written by `save_json`; a damaged file is an error naming it, not a traceback."""
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
-    return from_dict(cls, data)
+    return from_dict(cls, migrate_dict(data) if cls is Config else data)
 
 
 def load_config_file(spec: str | Path) -> Config:

@@ -1,6 +1,7 @@
 """Configs: overrides parse to the field's type or fail naming the key; every config builds; param counts."""
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from flax import nnx
 
 from hax_jax import config as config_lib
-from hax_jax.checkpoint import abstract_model
+from hax_jax.checkpoint import abstract_model, check_resumable
 from hax_jax.config import Config, ModelConfig
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs"
@@ -149,3 +150,19 @@ def test_joint_recall_grid():
 
 def test_released_configs_are_all_checked():
     assert set(RELEASED_PARAMS_M) <= {p.stem for p in CONFIGS}
+
+
+def test_a_moved_key_is_refused_with_its_new_name_and_read_from_old_files(tmp_path):
+    """data.joint_recall.eval_batches limited validation for every task: it is data.eval_batches
+    now. The old override names the new key; a config.json (or a checkpoint's config) written
+    with the old key is read with the value moved, and a run with it resumes."""
+    with pytest.raises(ValueError, match="data.joint_recall.eval_batches is now data.eval_batches"):
+        config_lib.apply_overrides(Config(), ["data.joint_recall.eval_batches=2"])
+    old = config_lib.to_dict(config_lib.apply_overrides(Config(), ["data.eval_batches=3"]))
+    old["data"]["joint_recall"]["eval_batches"] = old["data"].pop("eval_batches")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(old))
+    assert config_lib.load_json(Config, path).data.eval_batches == 3
+    check_resumable(old, Config(), "old workdir")  # eval_batches may change on resume
+    with pytest.raises(ValueError, match=r"data.seq_len: checkpoint 1024 vs now 512"):
+        check_resumable(old, config_lib.apply_overrides(Config(), ["data.seq_len=512"]), "x")

@@ -174,7 +174,7 @@ def test_workdir_eval_reads_the_best_checkpoint(tmp_path):
         "data.batch_size=4",
         "mesh.data=1",
         "data.joint_recall.valid_size=8",
-        "data.joint_recall.eval_batches=0",
+        "data.eval_batches=0",
         "model.block_pattern=mamba2",
         "model.n_layer=1",
     ]

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -166,8 +167,14 @@ def test_sigterm_saves_and_resumes(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     proc = subprocess.Popen([*cmd, "train.num_steps=100000", "train.log_every=1"], env=env)
     metrics = workdir / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+    for _ in range(1200):  # up to 10 minutes, polled every 0.5 s (no busy-wait)
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
         assert proc.poll() is None, "train.py exited before it was signalled"
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("train.py logged fewer than 5 steps in 10 minutes")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     saved = hax_jax.checkpoint.train_checkpointer(workdir, 3).latest_step()
