@@ -157,6 +157,7 @@ class Trainer:
             print(f"SIGTERM: saving step {step} and stopping", file=sys.stderr)
             self.save(step)
         self._wait_for_saves()
+        self.metrics.close()
         signal.signal(signal.SIGTERM, previous)
         return last
 
@@ -167,6 +168,7 @@ class Trainer:
             good = _scalar(self.state.step, int)  # updates stopped at the last finite step
             self.save(good)
             self._wait_for_saves()
+            self.metrics.close()
             raise FloatingPointError(
                 f"non-finite training loss {values['loss']} (grad norm {values['grad_norm']}) at "
                 f"step {step}; saved the last good state (step {good}) in {self.workdir}/checkpoints"

@@ -1,11 +1,29 @@
 """Run-time reporting for train.py: metrics.jsonl + TensorBoard events, and the progress bar."""
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import jax
 
-from hax_jax.tensorboard import SummaryWriter
+
+def _summary_writer(logdir: Path, purge_step: int | None):
+    """tensorboardX's SummaryWriter (the `tensorboard` extra), or None with a note on stderr."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        print(
+            "note: no TensorBoard events (pip install 'hax-jax[tensorboard]'); "
+            "metrics.jsonl holds every value",
+            file=sys.stderr,
+        )
+        return None
+    # purge_step: TensorBoard hides the events a killed run logged past its last checkpoint. The
+    # suffix keeps a resume within the same second from reusing (and truncating) the first file.
+    return SummaryWriter(
+        str(logdir), purge_step=purge_step, flush_secs=30, filename_suffix=f".{time.time_ns()}"
+    )
 
 
 class Metrics:
@@ -19,7 +37,8 @@ class Metrics:
                 lines = path.read_text().splitlines(keepends=True)
                 path.write_text("".join(x for x in lines if json.loads(x)["step"] <= resumed_at))
             self.jsonl = open(path, "a")  # noqa: SIM115
-            self.tensorboard = SummaryWriter(workdir / "tensorboard")
+            purge = None if resumed_at is None else resumed_at + 1
+            self.tensorboard = _summary_writer(workdir / "tensorboard", purge)
 
     def write(self, step: int, values: dict) -> None:
         """One JSON line and one scalar per value."""
@@ -27,9 +46,16 @@ class Metrics:
             return
         self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self.jsonl.flush()
-        for name, value in values.items():
-            self.tensorboard.scalar(name, value, step)
-        self.tensorboard.flush()
+        if self.tensorboard is not None:  # written by tensorboardX's thread; all by close()
+            for name, value in values.items():
+                self.tensorboard.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        """Writes out everything (tensorboardX's flush does not wait for its queue)."""
+        if self.active:
+            self.jsonl.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
 
 
 class ProgressBar:
