@@ -1,17 +1,22 @@
 """eval.py and hax_jax.evals: metrics against direct computations, a run's workdir, errors."""
 
+import dataclasses
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mixer_testing import lm_logits
+from flax import nnx
+from mixer_testing import lm_logits, perturbed
 from text_models import tiny_text_model
 
-from hax_jax import Config, save_pretrained
+from hax_jax import Config, ModelConfig, save_pretrained
+from hax_jax.config import Mamba2Config
 from hax_jax.data import pipeline, text
 from hax_jax.evals import heldout, text_model
+from hax_jax.models.lm import LanguageModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +54,40 @@ def _direct_nll(model, rows: np.ndarray) -> np.ndarray:
         logp = _log_softmax(np.asarray(lm_logits(model, row[None, :-1]))[0, :, :512])
         out.append(-logp[np.arange(len(row) - 1), row[1:]])
     return np.concatenate(out)
+
+
+def _direct_mqar(model, cfg: Config, split: str) -> dict:
+    """MQAR's metrics from one forward per row of the split's source: token accuracy (hits over
+    all query positions), per-row accuracy averaged over rows, mean query-position NLL, rows."""
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="mqar"))
+    source = pipeline.make_source(cfg, split, "")
+    hits, nll, row_accuracy = [], [], []
+    for i in range(len(source)):
+        row = source[i]
+        logits = np.asarray(lm_logits(model, row["inputs"][None]))[0]
+        mask = row["loss_mask"].astype(bool)
+        labels = row["labels"][mask]
+        right = logits[mask].argmax(-1) == labels
+        hits.append(right)
+        nll.append(-_log_softmax(logits[mask])[np.arange(labels.size), labels])
+        row_accuracy.append(right.mean())
+    return {
+        "accuracy": np.concatenate(hits).mean(),
+        "example_accuracy": np.mean(row_accuracy),
+        "loss": np.concatenate(nll).mean(),
+        "examples": len(source),
+    }
+
+
+def _assert_mqar_equals_direct(model, cfg: Config, split: str) -> dict:
+    """heldout.recall's MQAR metrics equal `_direct_mqar`'s; returns the direct ones."""
+    got = heldout.recall(model, cfg, "mqar", split=split, batch_size=5)
+    want = _direct_mqar(model, cfg, split)
+    assert got["examples"] == want["examples"]
+    for key in ("accuracy", "example_accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=key)
+    np.testing.assert_allclose(got["loss"], want["loss"], **TOL)
+    return want
 
 
 def test_perplexity_is_exp_mean_token_nll(tiny, tmp_path):
@@ -102,8 +141,21 @@ def test_eval_cli_perplexity_on_text_and_table(tiny, tmp_path, capsys):
     results = eval_cli.main([*args, "--output", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert set(results["perplexity"]) == {"32", "64"}
-    assert 1.0 < results["perplexity"]["64"]["perplexity"] < 512 * 4
     assert "perplexity/64/perplexity" in capsys.readouterr().out
+    # The text's token stream (each blank-line separated paragraph, then eos), cut into rows of
+    # length + 1 tokens that overlap by one; each row is one forward from an empty context.
+    tokenizer = tiny["tokenizer"]
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", small.read_text()) if p.strip()]
+    stream = np.concatenate([tokenizer.encode(p).ids + [eos] for p in paragraphs])
+    for length in (32, 64):
+        n_rows = (stream.size - 1) // length
+        rows = np.stack([stream[i * length : i * length + length + 1] for i in range(n_rows)])
+        nll = _direct_nll(tiny["model"], rows)
+        got = results["perplexity"][str(length)]
+        assert got["tokens"] == nll.size == n_rows * length
+        np.testing.assert_allclose(got["nll"], nll.mean(), **TOL)
+        np.testing.assert_allclose(got["perplexity"], np.exp(nll.mean()), **TOL)
 
 
 def test_recall_tasks_equal_the_paper_metric(tiny):
@@ -121,8 +173,25 @@ def test_recall_tasks_equal_the_paper_metric(tiny):
         accs.append(np.mean(pred[mask] == row["labels"][mask]))
     assert got["examples"] == 12
     np.testing.assert_allclose(got["accuracy"], np.mean(accs), rtol=1e-6)
-    mqar = heldout.recall(tiny["model"], cfg, "mqar", split="test", batch_size=5)
-    assert mqar["examples"] == 12 and 0.0 <= mqar["accuracy"] <= 1.0
+    assert _assert_mqar_equals_direct(tiny["model"], cfg, "test")["examples"] == 12
+
+
+def test_mqar_metrics_equal_direct_computation_with_hits():
+    """tiny's 512-token vocabulary leaves MQAR at zero hits; over 8 tokens (values 4..7) an
+    untrained model gets some queries right, so the accuracies compare nonzero hit counts."""
+    model_cfg = ModelConfig(
+        d_model=32,
+        n_layer=2,
+        vocab_size=8,
+        block_pattern=("mamba2",),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=16),
+    )
+    model = perturbed(LanguageModel(model_cfg, rngs=nnx.Rngs(0)), seed=1, scale=0.2)
+    overrides = ["data.mqar.valid_size=20", "data.seq_len=16", "data.mqar.num_kv_pairs=2"]
+    cfg = eval_cli.config_lib.apply_overrides(Config(model=model_cfg), overrides)
+    for split in ("valid", "test"):
+        want = _assert_mqar_equals_direct(model, cfg, split)
+        assert want["examples"] == 20 and 0.0 < want["accuracy"] < 1.0
 
 
 @pytest.mark.parametrize(
