@@ -58,6 +58,7 @@ class Trainer:
     def __init__(self, cfg: config_lib.Config, workdir: Path, mesh):
         self.cfg, self.workdir, self.mesh = cfg, workdir, mesh
         graphdef, abstract = nnx.split(checkpoint.abstract_model(cfg.model), nnx.Param)
+        sharding.check_param_splits(abstract, mesh, self.rules)
         param_sh = sharding.param_shardings_dict(abstract, mesh, self.rules)
         tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
         init = functools.partial(training.init_state, tx=tx, seed=cfg.seed)

@@ -163,6 +163,38 @@ def param_shardings(state, mesh: Mesh, rules: Rules = RULES):
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
 
 
+def check_param_splits(state, mesh: Mesh, rules: Rules = RULES) -> None:
+    """ValueError naming the first parameters whose axis the rules split over a mesh axis of size
+    > 1 that does not divide it (logical_to_spec would leave it whole on every device: the split
+    asked for, e.g. by mesh.tensor, would silently not happen)."""
+    table, sizes = dict(rules), dict(mesh.shape)
+    bad = []
+    for path, names in jax.tree_util.tree_leaves_with_path(
+        logical_axes_dict(state), is_leaf=lambda x: isinstance(x, tuple)
+    ):
+        shape = _leaf_shape(state, path)
+        for name, size in zip(names, shape, strict=True):
+            axis = table.get(name) if name is not None else None
+            if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis]:
+                where = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+                bad.append(f"{where} ({name} = {size}) over mesh.{axis}={sizes[axis]}")
+    if bad:
+        raise ValueError(
+            "the mesh cannot split these parameters: "
+            + "; ".join(bad[:4])
+            + "; choose mesh sizes that divide them, or widths they divide (for the vocabulary: "
+            "model.pad_vocab_size_multiple)"
+        )
+
+
+def _leaf_shape(state, path) -> tuple[int, ...]:
+    """The shape of the parameter at `path` of an nnx State (or pure dict)."""
+    node = nnx.to_pure_dict(state) if not isinstance(state, dict) else state
+    for key in path:
+        node = node[getattr(key, "key", getattr(key, "idx", key))]
+    return tuple(node.shape)
+
+
 def param_shardings_dict(state, mesh: Mesh, rules: Rules = RULES) -> dict:
     """`param_shardings` as a pure dict (the layout of `nnx.to_pure_dict(state)`)."""
     return nnx.to_pure_dict(param_shardings(state, mesh, rules))

@@ -238,3 +238,10 @@ def test_init_from_a_mamba_starts_the_hax_qk_projection_from_b_and_c(tmp_path):
     n = pretrained.cfg.mamba.d_state
     qk = np.asarray(mixer["branch"]["qk_proj"]["kernel"])
     np.testing.assert_array_equal(qk, np.concatenate([x_proj[:, 2 : 2 + n], x_proj[:, 2 + n :]], 1))
+
+
+def test_a_mesh_that_cannot_split_a_parameter_is_refused(tmp_path):
+    """mesh.tensor=8 cannot split SMALL's 100-token vocabulary: refused before training, naming
+    the parameter, its size and the mesh axis (it used to stay whole on every device, silently)."""
+    with pytest.raises(ValueError, match=r"embedding/embedding \(vocab = 100\) over mesh.tensor=8"):
+        train.main([*SMALL, f"workdir={tmp_path}", "mesh.data=1", "mesh.tensor=8"])
