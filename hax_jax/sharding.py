@@ -168,11 +168,14 @@ def check_param_splits(state, mesh: Mesh, rules: Rules = RULES) -> None:
     > 1 that does not divide it (logical_to_spec would leave it whole on every device: the split
     asked for, e.g. by mesh.tensor, would silently not happen)."""
     table, sizes = dict(rules), dict(mesh.shape)
+    shapes = nnx.to_pure_dict(
+        state if not isinstance(state, nnx.Module) else nnx.state(state, nnx.Param)
+    )
     bad = []
     for path, names in jax.tree_util.tree_leaves_with_path(
         logical_axes_dict(state), is_leaf=lambda x: isinstance(x, tuple)
     ):
-        shape = _leaf_shape(state, path)
+        shape = _leaf(shapes, path).shape
         for name, size in zip(names, shape, strict=True):
             axis = table.get(name) if name is not None else None
             if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis]:
@@ -187,12 +190,11 @@ def check_param_splits(state, mesh: Mesh, rules: Rules = RULES) -> None:
         )
 
 
-def _leaf_shape(state, path) -> tuple[int, ...]:
-    """The shape of the parameter at `path` of an nnx State (or pure dict)."""
-    node = nnx.to_pure_dict(state) if not isinstance(state, dict) else state
+def _leaf(tree: dict, path):
+    """The leaf of a nested dict at a tree path."""
     for key in path:
-        node = node[getattr(key, "key", getattr(key, "idx", key))]
-    return tuple(node.shape)
+        tree = tree[getattr(key, "key", getattr(key, "idx", key))]
+    return tree
 
 
 def param_shardings_dict(state, mesh: Mesh, rules: Rules = RULES) -> dict:
