@@ -49,7 +49,11 @@ def main(argv: list[str]) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
-        return Trainer(cfg, workdir, mesh).run()
+        trainer = Trainer(cfg, workdir, mesh)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
 
 
 class Trainer:
@@ -209,6 +213,13 @@ class Trainer:
         self.manager.wait_until_finished()
         if "best" in self.__dict__:  # the cached manager exists once an evaluation has run
             self.best.wait_until_finished()
+
+    def close(self) -> None:
+        """Closes the checkpoint managers (their writer threads end): a process that runs
+        train.main again (bench/train_throughput.py) does not keep the old ones' threads."""
+        self.manager.close()
+        if "best" in self.__dict__:
+            self.best.close()
 
     def _on_sigterm(self, signum, frame) -> None:
         """Finish the current step, save, exit cleanly."""

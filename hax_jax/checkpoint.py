@@ -66,6 +66,17 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> LanguageMo
         nnx.to_pure_dict(abstract_state),
     )
     with ocp.StandardCheckpointer() as ckptr:
+        saved = _saved_shapes(ckptr, path / PARAMS_DIR)
+        problems = _mismatches(saved, target) + [
+            f"{k} is missing there" for k in _shapes(target) if k not in saved
+        ]
+        if problems:
+            raise ValueError(
+                f"{str(path)!r} does not match the model of its config.json: "
+                + "; ".join(problems[:8])
+                + " (checkpoints written before in_proj and conv1d were stored part by part "
+                "cannot be read: convert the HF / mamba_ssm weights again)"
+            )
         params = ckptr.restore(path / PARAMS_DIR, target)
     nnx.replace_by_pure_dict(abstract_state, params)
     return nnx.merge(graphdef, abstract_state)
@@ -204,21 +215,35 @@ def restore_params(path: str | Path, target: dict) -> dict:
             f"init_from={str(path)!r} is not a hax_jax checkpoint: {PARAMS_DIR} is missing"
         )
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(path / PARAMS_DIR)
-        meta = getattr(meta, "item_metadata", meta)
-        saved = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(meta)}
-        wanted = {_path(p): x for p, x in jax.tree_util.tree_leaves_with_path(target)}
-        problems = [f"{k} is not in the model" for k in saved if k not in wanted] + [
-            f"{k} has shape {tuple(saved[k].shape)} there, {tuple(wanted[k].shape)} here"
-            for k in saved
-            if k in wanted and tuple(saved[k].shape) != tuple(wanted[k].shape)
-        ]
+        saved = _saved_shapes(ckptr, path / PARAMS_DIR)
+        problems = _mismatches(saved, target)
         if problems:
             raise ValueError(
                 f"init_from={str(path)!r} does not match the model: " + "; ".join(problems[:8])
             )
         partial = _keep_paths(target, set(saved))
         return ckptr.restore(path / PARAMS_DIR, partial)
+
+
+def _saved_shapes(ckptr, directory: Path) -> dict[str, tuple]:
+    """Parameter path -> shape, from a checkpoint's metadata."""
+    meta = ckptr.metadata(directory)
+    return _shapes(getattr(meta, "item_metadata", meta))
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    return {_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _mismatches(saved: dict[str, tuple], target: dict) -> list[str]:
+    """What of a checkpoint's parameters (`saved`: path -> shape) the model `target` lacks or
+    holds in another shape."""
+    wanted = _shapes(target)
+    return [f"{k} is not in the model" for k in saved if k not in wanted] + [
+        f"{k} has shape {saved[k]} there, {wanted[k]} here"
+        for k in saved
+        if k in wanted and saved[k] != wanted[k]
+    ]
 
 
 def _path(path) -> str:

@@ -24,6 +24,7 @@ from hax_jax import checkpoint
 from hax_jax.config import ModelConfig
 from hax_jax.convert_configs import ConversionError, hf_config, read_config, read_json
 from hax_jax.data.text import TOKENIZER_FILES
+from hax_jax.layers.fused import FusedConv1d, FusedLinear, Part, fuse, unfuse
 from hax_jax.models.lm import LanguageModel
 
 # ----------------------------------------------------------------------------- tensors
@@ -126,14 +127,32 @@ def _hf_shape(path: tuple, shape: tuple) -> tuple:
     return tuple(shape)
 
 
+def _fused_layouts(model: LanguageModel) -> dict[tuple[str, ...], tuple[Part, ...]]:
+    """The paths of the modules stored part by part (layers/fused.py) -> their parts, in the order
+    the checkpoints' fused tensors hold them."""
+    return {
+        tuple(str(k) for k in path): node.parts
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, FusedLinear | FusedConv1d)
+    }
+
+
+def _fused_path(path: tuple, layouts: dict) -> tuple:
+    """The path of the checkpoint tensor a parameter lives in: a part's (..., module, "kernel" or
+    "bias", part) is a slice of (..., module, "kernel" or "bias")."""
+    return path[:-1] if path[:-2] in layouts else path
+
+
 def tensors_to_model(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> LanguageModel:
     """Builds the model from HF / mamba_ssm tensors; errors name missing, extra or misshapen keys."""
     embedding_key = "embedding" if "backbone.embedding.weight" in tensors else "embeddings"
-    graphdef, state = nnx.split(checkpoint.abstract_model(cfg), nnx.Param)
+    abstract = checkpoint.abstract_model(cfg)
+    layouts = _fused_layouts(abstract)
+    graphdef, state = nnx.split(abstract, nnx.Param)
     nested = nnx.to_pure_dict(state)
     paths = [_names(path) for path, _ in jax.tree_util.tree_flatten_with_path(nested)[0]]
-    keys = {path: _hf_key(path, embedding_key) for path in paths}
-    missing = sorted(k for k in keys.values() if k not in tensors)
+    keys = {path: _hf_key(_fused_path(path, layouts), embedding_key) for path in paths}
+    missing = sorted({k for k in keys.values() if k not in tensors})
     if missing:
         raise ConversionError(f"missing tensors: {missing}")
     extra = set(tensors) - set(keys.values())
@@ -143,13 +162,22 @@ def tensors_to_model(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> Langua
         raise ConversionError(f"unexpected tensors (another architecture?): {sorted(extra)}")
 
     def load(path, leaf):
-        key = keys[_names(path)]
-        want = _hf_shape(_names(path), leaf.shape)
+        names = _names(path)
+        key, hf_path = keys[names], _fused_path(names, layouts)
+        shape = leaf.shape
+        if hf_path != names:  # a part: the checkpoint holds all parts side by side
+            parts = layouts[names[:-2]]
+            part = next(p for p in parts if p.name == names[-1])
+            shape = (*shape[: len(shape) - len(part.shape)], sum(p.size for p in parts))
+        want = _hf_shape(hf_path, shape)
         if tuple(tensors[key].shape) != want:
             raise ConversionError(
                 f"tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {want}"
             )
-        return jax.numpy.asarray(_to_ours(_names(path), tensors[key]), jax.numpy.float32)
+        value = _to_ours(hf_path, tensors[key])
+        if hf_path != names:
+            value = unfuse(value, layouts[names[:-2]])[names[-1]]
+        return jax.numpy.asarray(value, jax.numpy.float32)
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(load, nested))
     return nnx.merge(graphdef, state)
@@ -160,16 +188,27 @@ def model_to_tensors(
 ) -> dict[str, np.ndarray]:
     """HF tensor dict of a pure Mamba / Mamba-2 model (fp32); see `to_hf_dir` for the branch."""
     _check_hf_can_hold(model.cfg, drop_sparse_branch)
+    layouts = _fused_layouts(model)
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    out = {}
+    ours: dict[tuple, np.ndarray] = {}
+    fused: dict[tuple, dict[str, np.ndarray]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         names = _names(path)
         if "branch" in names:  # the HAX branch's parameters (only here when dropping it)
             continue
-        out[_hf_key(names, "embeddings")] = np.ascontiguousarray(
-            _to_hf(names, np.asarray(leaf, np.float32))
-        )
-    return out
+        hf_path = _fused_path(names, layouts)
+        if hf_path == names:
+            ours[names] = np.asarray(leaf, np.float32)
+        else:
+            fused.setdefault(hf_path, {})[names[-1]] = np.asarray(leaf, np.float32)
+    for hf_path, arrays in fused.items():
+        parts = layouts[hf_path[:-1]]
+        lead = arrays[parts[0].name].ndim - len(parts[0].shape)
+        ours[hf_path] = np.asarray(fuse(arrays, parts, lead))
+    return {
+        _hf_key(path, "embeddings"): np.ascontiguousarray(_to_hf(path, array))
+        for path, array in ours.items()
+    }
 
 
 # ----------------------------------------------------------------------------- directories

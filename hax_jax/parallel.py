@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
 from hax_jax.sharding import current_mesh, logical_to_spec
-from pallas_kernels import backend
 from pallas_kernels.selective_scan import selective_scan
 from pallas_kernels.sparse_attention import SparseSpec, carry, sparse_attention
 from pallas_kernels.ssd import ssd
@@ -30,56 +29,59 @@ SEQ = "seq"
 Names = Sequence[str | None]  # one logical name per axis of an array
 
 
-def op_mesh(impl: str, *, seq_aware: bool = False) -> jax.sharding.AbstractMesh | None:
+def op_mesh(seq_aware: bool = False) -> jax.sharding.AbstractMesh | None:
     """The mesh to shard_map an op over, or None (call the op as it is).
 
-    Under a mesh of several devices with Auto axes (not already inside shard_map): with a split
-    "seq" axis, the mesh when the op is `seq_aware` (it passes states between shards itself),
-    else None (GSPMD partitions the op); with "seq" of one, the mesh when `impl` runs Pallas
-    kernels ("pallas", or "auto" where `backend.kernels_by_default()`: a GPU)."""
+    Under a mesh of several devices with Auto axes (not already inside shard_map), the mesh:
+    each device runs the op on its own block (batch rows, heads / channels), which is all of the
+    op's work that is its own; left to GSPMD, a scan or a kernel's custom call would be partitioned
+    with resharding collectives, or not at all. With a split "seq" axis only a `seq_aware` op
+    (it passes states between shards itself) is mapped; others are left to GSPMD (None)."""
     mesh = current_mesh()
     if mesh is None or mesh.size == 1:
         return None
     if any(kind != AxisType.Auto for kind in mesh.axis_types):
         return None
-    if dict(mesh.shape).get(SEQ, 1) > 1:
-        return mesh if seq_aware else None
-    if impl == "pallas" or (impl == "auto" and backend.kernels_by_default()):
-        return mesh
-    return None
+    if dict(mesh.shape).get(SEQ, 1) > 1 and not seq_aware:
+        return None
+    return mesh
 
 
 def per_device(
     fn: Callable,
-    impl: str,
-    args: Mapping[str, jax.Array | None],
-    axes: Mapping[str, Names],
+    args: Mapping[str, jax.Array | Mapping[str, jax.Array] | None],
+    axes: Mapping[str, Names | Mapping[str, Names]],
     out_axes: Sequence[Names],
     *,
     seq_aware: bool = False,
 ):
-    """fn(**args), inside shard_map over the mesh when `op_mesh(impl, seq_aware=...)` gives one.
+    """fn(**args), inside shard_map over the mesh when `op_mesh(seq_aware)` gives one.
 
     `axes[name]` gives the logical axis names of args[name] (an argument that is None needs
-    none); `out_axes` those of fn's outputs (a tuple of arrays; one array if out_axes has one
+    none; a dict of arrays, e.g. a fused layer's parts, a dict of names); `out_axes` those of fn's outputs (a tuple of arrays; one array if out_axes has one
     entry). An axis the mesh does not divide stays whole on every device, so fn must compute on
     its shard exactly what it computes on the whole; only a `seq_aware` fn sees a split "seq"
     (it must combine its shards itself), and there a sequence the "seq" axis does not divide is
     a ValueError naming both.
     """
-    mesh = op_mesh(impl, seq_aware=seq_aware)
+    mesh = op_mesh(seq_aware)
     if mesh is None:
         return fn(**args)
     present = {name: a for name, a in args.items() if a is not None}
     shards = dict(mesh.shape)[SEQ]
-    for name, a in present.items():
-        if SEQ in axes[name] and a.shape[list(axes[name]).index(SEQ)] % shards:
-            length = a.shape[list(axes[name]).index(SEQ)]
+    for name, a, names in _leaves(present, axes):
+        if SEQ in names and a.shape[list(names).index(SEQ)] % shards:
+            length = a.shape[list(names).index(SEQ)]
             raise ValueError(
                 f"the sequence length {length} of {name} is not divisible by the mesh's "
                 f"seq={shards}: every shard must hold the same number of positions"
             )
-    in_specs = {n: _manual_spec(axes[n], a.shape, mesh) for n, a in present.items()}
+    in_specs = {
+        n: {k: _manual_spec(axes[n][k], v.shape, mesh) for k, v in a.items()}
+        if isinstance(a, Mapping)
+        else _manual_spec(axes[n], a.shape, mesh)
+        for n, a in present.items()
+    }
     single = len(out_axes) == 1
     out_shapes = jax.eval_shape(lambda kw: fn(**kw, **_nones(args)), present)
     out_shapes = (out_shapes,) if single else out_shapes
@@ -94,6 +96,16 @@ def per_device(
         check_vma=False,  # Pallas calls carry no varying-axes annotations
     )
     return mapped(present)
+
+
+def _leaves(args: Mapping, axes: Mapping):
+    """(label, array, logical names) of every array in `args`, one level of dicts opened."""
+    for name, a in args.items():
+        if isinstance(a, Mapping):
+            for key, value in a.items():
+                yield f"{name}[{key}]", value, axes[name][key]
+        else:
+            yield name, a, axes[name]
 
 
 def _manual_spec(names: Names, shape, mesh) -> PartitionSpec:
@@ -275,7 +287,7 @@ def sequence_cumsum(x: jax.Array) -> jax.Array:
     each shard adds the sums of the shards before it (one small all-gather), so no shard reads
     another's positions."""
     return per_device(
-        _cumsum_shard, "xla", dict(x=x), dict(x=("batch", "seq", None)),
+        _cumsum_shard, dict(x=x), dict(x=("batch", "seq", None)),
         [("batch", "seq", None)], seq_aware=True,
     )  # fmt: skip
 

@@ -29,6 +29,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None),  # d_model (FSDP: "data")
     ("inner", "tensor"),  # Mamba d_inner (and fused projections built from it)
     ("heads", "tensor"),  # attention / Mamba-2 heads (flattened heads x head_dim too)
+    ("groups", "tensor"),  # Mamba-2 B / C groups (one group: replicated, every head reads it)
     ("mlp", "tensor"),  # SwiGLU d_ff
     ("vocab", "tensor"),  # embedding rows / logits
     ("state", None),  # d_state, dt rank, conv taps, scorer widths: small, replicated
@@ -166,7 +167,8 @@ def param_shardings(state, mesh: Mesh, rules: Rules = RULES):
 def check_param_splits(state, mesh: Mesh, rules: Rules = RULES) -> None:
     """ValueError naming the first parameters whose axis the rules split over a mesh axis of size
     > 1 that does not divide it (logical_to_spec would leave it whole on every device: the split
-    asked for, e.g. by mesh.tensor, would silently not happen)."""
+    asked for, e.g. by mesh.tensor, would silently not happen). An axis of size one is whole by
+    design (Mamba-2's single B / C group, which every head reads)."""
     table, sizes = dict(rules), dict(mesh.shape)
     shapes = nnx.to_pure_dict(
         state if not isinstance(state, nnx.Module) else nnx.state(state, nnx.Param)
@@ -178,7 +180,7 @@ def check_param_splits(state, mesh: Mesh, rules: Rules = RULES) -> None:
         shape = _leaf(shapes, path).shape
         for name, size in zip(names, shape, strict=True):
             axis = table.get(name) if name is not None else None
-            if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis]:
+            if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis] and size > 1:
                 where = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
                 bad.append(f"{where} ({name} = {size}) over mesh.{axis}={sizes[axis]}")
     if bad:

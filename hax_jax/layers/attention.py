@@ -146,7 +146,7 @@ class Attention(nnx.Module):
         l = q.shape[1]
         if cache is None:  # training / first prefill: keys are just these l tokens
             o = per_device(
-                functools.partial(_full_shard, scale=self.scale), "xla", dict(q=q, k=k, v=v),
+                functools.partial(_full_shard, scale=self.scale), dict(q=q, k=k, v=v),
                 dict(q=HEADS, k=HEADS, v=HEADS), [HEADS], seq_aware=True,
             )  # fmt: skip
             # Hold at least this prefix; later calls must stay within the capacity.
@@ -169,7 +169,7 @@ class Attention(nnx.Module):
         # The ring buffer in time order: element i holds position p - (w - 1) + i.
         hist_k, hist_v = (jnp.roll(c, -(p % (w - 1)), axis=1) for c in (cache.k, cache.v))
         o, last_k, last_v = per_device(
-            functools.partial(_window_shard, window=w, scale=self.scale), "xla",
+            functools.partial(_window_shard, window=w, scale=self.scale),
             dict(q=q, k=k, v=v, hist_k=hist_k, hist_v=hist_v, pos=p),
             dict(q=HEADS, k=HEADS, v=HEADS, hist_k=HISTORY, hist_v=HISTORY, pos=()),
             [HEADS, HISTORY, HISTORY], seq_aware=True,

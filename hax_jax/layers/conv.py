@@ -56,8 +56,7 @@ class CausalConv1d(nnx.Module):
             state = self.init_state(x.shape[0], x.dtype)
         bias = None if self.bias is None else self.bias[...]
         return per_device(
-            _conv_shard,
-            "xla",
+            conv_shard,
             dict(x=x, kernel=self.kernel[...], bias=bias, state=state, seq_idx=seq_idx),
             dict(x=("batch", "seq", "inner"), kernel=(None, "inner"), bias=("inner",),
                  state=("batch", None, "inner"), seq_idx=("batch", "seq")),
@@ -74,7 +73,7 @@ class CausalConv1d(nnx.Module):
         return y.astype(x.dtype), window[:, 1:].astype(x.dtype)
 
 
-def _conv_shard(x, kernel, bias, state, seq_idx):
+def conv_shard(x, kernel, bias, state, seq_idx):
     """`causal_conv1d` of this shard of the sequence: its window comes from the previous shard
     (or `state` on the first); the new state is the last shard's."""
     k = kernel.shape[0]

@@ -166,7 +166,7 @@ class HaxBranch(nnx.Module):
         )
         key_scores = None if scores is None else jax.lax.stop_gradient(scores)
         args = dict(q=q, k=k, v=x, hash_proj=hash_proj, key_scores=key_scores)
-        return per_device(attend, self.cfg.impl, args, ATTEND_AXES, ATTEND_OUT_AXES, seq_aware=True)
+        return per_device(attend, args, ATTEND_AXES, ATTEND_OUT_AXES, seq_aware=True)
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:
         """Samples kc candidate keys per sequence uniformly without replacement (never padding) and ranks them."""

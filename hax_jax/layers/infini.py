@@ -167,7 +167,7 @@ class InfiniAttention(nnx.Module):
         gate = jax.nn.sigmoid(self.beta[...])
         if cache is None:
             a, *state = per_device(
-                self._fresh, "xla", dict(q=q, k=k, v=v, gate=gate),
+                self._fresh, dict(q=q, k=k, v=v, gate=gate),
                 dict(q=HEADS, k=HEADS, v=HEADS, gate=("heads",)),
                 [HEADS, ("batch", "heads", None, None), ("batch", "heads", None), BUFFER, BUFFER],
                 seq_aware=True,

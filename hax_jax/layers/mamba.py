@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import CausalConv1d, torch_linear_init
+from hax_jax.layers.conv import CausalConv1d, conv_shard, torch_linear_init
+from hax_jax.layers.fused import FusedLinear, Part, linear_parts
 from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
 from hax_jax.parallel import per_device, selective_scan_sequence_parallel
 from hax_jax.sharding import linear_axes
@@ -45,7 +46,7 @@ def sparse_branch(cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rng
 
 
 class MambaMixer(nnx.Module):
-    """in_proj -> [x | z]; conv + SiLU on x; x_proj -> [dt | B | C]; selective scan; * SiLU(z); out_proj."""
+    """in_proj -> x, z; conv + SiLU on x; x_proj -> [dt | B | C]; selective scan; * SiLU(z); out_proj."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m = cfg.mamba
@@ -61,11 +62,13 @@ class MambaMixer(nnx.Module):
                 i, o, use_bias=bias, dtype=dtype, rngs=rngs, **linear_axes(*axes), **kw
             )
 
-        # Tensor parallelism (Mamba-2 paper §8.1 for Mamba-1): d_inner is split. in_proj's fused
-        # [x | z] output is split as one axis, so shards hold parts of x or z, and the split into x and
-        # z reshards (not communication-free). x_proj contracts the split d_inner (an all-reduce) and
-        # out_proj too (the block's all-reduce).
-        self.in_proj = linear(d, 2 * e, ("embed", "inner"), bias=m.bias)
+        # Tensor parallelism (Mamba-2 paper §8.1 for Mamba-1): d_inner is split. in_proj is stored
+        # per part (layers/fused.py), so a device's x and z are local; x_proj contracts the split
+        # d_inner (a small all-reduce of dt, B, C) and out_proj too (the block's all-reduce).
+        self.in_proj = FusedLinear(
+            d, (Part("x", (e,), ("inner",)), Part("z", (e,), ("inner",))),
+            in_axis="embed", use_bias=m.bias, dtype=dtype, rngs=rngs,
+        )  # fmt: skip
         self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
         self.x_proj = linear(e, r + 2 * n, ("inner", "state"), bias=False)
         self.dt_proj = linear(
@@ -125,16 +128,27 @@ class MambaMixer(nnx.Module):
             raise ValueError(
                 "seq_idx (packed documents) is supported by mamba2 layers only, not mamba"
             )
-        x, z = jnp.split(self.in_proj(u), 2, axis=-1)
-        x, conv_state = self.conv1d(x, state=None if cache is None else cache.conv)
-        x = jax.nn.silu(x)
+        # in_proj and the conv in one shard_map: each device's x and z are local, and the backward
+        # sums the input's gradient over "tensor" once (per part, GSPMD would all-reduce each).
+        in_kernels, in_biases = self.in_proj.arrays()
+        conv = self.conv1d
+        x, z, conv_state = per_device(
+            functools.partial(_front_shard, dtype=self.dtype),
+            dict(u=u, in_kernels=in_kernels, in_biases=in_biases, conv_kernel=conv.kernel[...],
+                 conv_bias=None if conv.bias is None else conv.bias[...],
+                 conv_state=conv.init_state(u.shape[0], self.dtype) if cache is None else cache.conv),
+            dict(u=("batch", "seq", None), in_kernels={"x": (None, "inner"), "z": (None, "inner")},
+                 in_biases={"x": ("inner",), "z": ("inner",)}, conv_kernel=(None, "inner"),
+                 conv_bias=("inner",), conv_state=("batch", None, "inner")),
+            [("batch", "seq", "inner"), ("batch", "seq", "inner"), ("batch", None, "inner")],
+            seq_aware=True,
+        )  # fmt: skip
         dt, B, C = self._dt_B_C(x)
 
         h0 = None if cache is None else cache.ssm
         channels = ("batch", "seq", "inner")
         y, ssm_state = per_device(
             functools.partial(selective_scan_sequence_parallel, impl=self.scan_impl),
-            self.scan_impl,
             dict(x=x, dt=dt, A=-jnp.exp(self.A_log[...]), B=B, C=C, D=self.D[...], z=z,
                  initial_state=h0),
             dict(x=channels, dt=channels, A=("inner", None), B=("batch", "seq", None),
@@ -152,7 +166,7 @@ class MambaMixer(nnx.Module):
 
     def step(self, u: jax.Array, cache: MambaCache) -> tuple[jax.Array, MambaCache]:
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
-        x, z = jnp.split(self.in_proj(u), 2, axis=-1)
+        x, z = (self.in_proj(u)[k] for k in ("x", "z"))
         x, conv_state = self.conv1d.step(x, cache.conv)
         x = jax.nn.silu(x)
         dt, B, C = self._dt_B_C(x)
@@ -167,3 +181,11 @@ class MambaMixer(nnx.Module):
             y = y + o.astype(jnp.float32)
         y = y * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h, sparse_cache)
+
+
+def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype):
+    """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
+    shard_map): -> (x post-conv (b, l, e), z (b, l, e), the conv's new state)."""
+    proj = linear_parts(u, in_kernels, in_biases, dtype)
+    x, new_state = conv_shard(proj["x"], conv_kernel, conv_bias, conv_state, None)
+    return jax.nn.silu(x), proj["z"], new_state

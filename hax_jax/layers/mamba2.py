@@ -9,7 +9,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import CausalConv1d, torch_linear_init
+from hax_jax.layers.conv import torch_linear_init
+from hax_jax.layers.fused import (
+    FusedConv1d,
+    FusedLinear,
+    Part,
+    conv_parts,
+    fuse,
+    linear_parts,
+    unfuse,
+)
 from hax_jax.layers.hax_attention import SparseAttentionCache
 from hax_jax.layers.mamba import dt_bias_init, sparse_branch
 from hax_jax.layers.norms import GatedRMSNorm
@@ -28,7 +37,8 @@ class Mamba2Cache(NamedTuple):
 
 
 class Mamba2Mixer(nnx.Module):
-    """in_proj -> [z | xBC | dt]; conv + SiLU on xBC; SSD over heads; gated grouped RMSNorm; out_proj."""
+    """in_proj -> z, x, B, C, dt; conv + SiLU on x, B, C; SSD over heads; gated grouped RMSNorm;
+    out_proj. in_proj and conv1d are stored per part (layers/fused.py)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m = cfg.mamba2
@@ -36,7 +46,6 @@ class Mamba2Mixer(nnx.Module):
         h, g, n = e // m.headdim, m.ngroups, m.d_state
         dtype = jnp.dtype(cfg.dtype)
         self.d_inner, self.n_heads, self.headdim, self.ngroups, self.d_state = e, h, m.headdim, g, n
-        self.conv_dim = e + 2 * g * n
         self.dtype, self.chunk_size, self.ssd_impl, self.dt_limit = (
             dtype,
             m.chunk_size,
@@ -56,12 +65,19 @@ class Mamba2Mixer(nnx.Module):
                 **linear_axes(*axes),
             )
 
-        # Tensor parallelism (Mamba-2 paper §8.1): heads are split. The fused in_proj output
-        # [z | xBC | dt] and the conv's [x | B | C] are split as one axis each, so their slices
-        # (and B, C, which every head needs) reshard: not communication-free, unlike the paper's
-        # per-shard layout. out_proj contracts the split d_inner: the block's all-reduce.
-        self.in_proj = linear(d, 2 * e + 2 * g * n + h, ("embed", "inner"))
-        self.conv1d = CausalConv1d(self.conv_dim, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
+        # Tensor parallelism (Mamba-2 paper §8.1): a device holds z, x, dt of its heads and B, C of
+        # its groups (one group is replicated: every head reads it), so in_proj and the conv need no
+        # communication; out_proj contracts the split d_inner: the block's one all-reduce.
+        xbc = (
+            Part("x", (e,), ("inner",)),
+            Part("B", (g, n), ("groups", "state")),
+            Part("C", (g, n), ("groups", "state")),
+        )
+        self.in_proj = FusedLinear(
+            d, (Part("z", (e,), ("inner",)), *xbc, Part("dt", (h,), ("heads",))),
+            in_axis="embed", use_bias=m.bias, dtype=dtype, rngs=rngs,
+        )  # fmt: skip
+        self.conv1d = FusedConv1d(xbc, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
         self.dt_bias = nnx.Param(
             dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,)),
             logical_axes=("heads",),
@@ -87,22 +103,15 @@ class Mamba2Mixer(nnx.Module):
             else self.branch.init_cache(batch, capacity, self.dtype),
         )
 
-    def _split(self, zxbcdt: jax.Array):
-        """in_proj output -> z (..., e), xBC (..., conv_dim), dt (..., h) fp32 positive."""
-        z, xBC, dt = jnp.split(zxbcdt, [self.d_inner, self.d_inner + self.conv_dim], axis=-1)
-        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])
-        return z, xBC, jnp.clip(dt, *self.dt_limit)
-
-    def _x_B_C(self, xBC: jax.Array):
-        """Post-conv xBC (..., conv_dim) -> x (..., h, p), B, C (..., g, n)."""
-        gn = self.ngroups * self.d_state
-        x, B, C = jnp.split(xBC, [self.d_inner, self.d_inner + gn], axis=-1)
-        lead = xBC.shape[:-1]
-        return (
-            x.reshape(*lead, self.n_heads, self.headdim),
-            B.reshape(*lead, self.ngroups, self.d_state),
-            C.reshape(*lead, self.ngroups, self.d_state),
-        )
+    def _project(self, u: jax.Array, conv, conv_state):
+        """u (..., d) -> z (..., e), x (..., h, p), B, C (..., g, n) post-conv and SiLU, dt (..., h)
+        fp32 positive, and the conv's new state; `conv` is the conv1d's __call__ or step."""
+        proj = self.in_proj(u)
+        dt = jax.nn.softplus(proj["dt"].astype(jnp.float32) + self.dt_bias[...])
+        xBC, conv_state = conv({k: proj[k] for k in ("x", "B", "C")}, conv_state)
+        x, B, C = (jax.nn.silu(xBC[k]) for k in ("x", "B", "C"))
+        x = x.reshape(*x.shape[:-1], self.n_heads, self.headdim)
+        return proj["z"], x, B, C, jnp.clip(dt, *self.dt_limit), conv_state
 
     def __call__(
         self, u: jax.Array, *, cache: Mamba2Cache | None = None, seq_idx=None, mask=None, rng=None
@@ -117,44 +126,56 @@ class Mamba2Mixer(nnx.Module):
                 "seq_idx (packed documents) is not supported with a sparse-attention branch"
             )
         b, l, _ = u.shape
-        z, xBC, dt = self._split(self.in_proj(u))
-        xBC, conv_state = self.conv1d(
-            xBC, state=None if cache is None else cache.conv, seq_idx=seq_idx
-        )
-        x, B, C = self._x_B_C(jax.nn.silu(xBC))
-
-        scan = functools.partial(
-            ssd_sequence_parallel, chunk_size=self.chunk_size, impl=self.ssd_impl
-        )
+        # One shard_map from in_proj to the SSD (Mamba-2 paper §8.1): each device projects, convolves
+        # and scans its heads (and groups) with no communication, and the backward sums the input's
+        # gradient over "tensor" once, at the boundary (per part, GSPMD would all-reduce each).
         heads, groups = ssd_head_and_group_names(self.n_heads, self.ngroups)
-        h0 = None if cache is None else cache.ssm
-        y, ssm_state = per_device(
-            scan,
-            self.ssd_impl,
-            dict(x=x, dt=dt, A=-jnp.exp(self.A_log[...]), B=B, C=C, D=self.D[...],
-                 initial_state=h0, seq_idx=seq_idx),
-            dict(x=("batch", "seq", heads, None), dt=("batch", "seq", heads), A=(heads,),
-                 B=("batch", "seq", groups, None), C=("batch", "seq", groups, None), D=(heads,),
+        inner = "inner" if heads else None
+        part_axes = {"z": (inner,), "x": (inner,), "B": (groups, None), "C": (groups, None),
+                     "dt": (heads,)}  # fmt: skip
+        in_kernels, in_biases = self.in_proj.arrays()
+        conv_kernels, conv_biases = self.conv1d.arrays()
+        conv_state = (
+            self.conv1d.init_state(b, self.dtype) if cache is None else cache.conv
+        )
+        xbc = {k: part_axes[k] for k in ("x", "B", "C")}
+        front = functools.partial(
+            _front_shard, mixer=self, chunk_size=self.chunk_size, impl=self.ssd_impl
+        )
+        y, z, x, ssm_state, *conv_states = per_device(
+            front,
+            dict(u=u, in_kernels=in_kernels, in_biases=in_biases, conv_kernels=conv_kernels,
+                 conv_biases=conv_biases, conv_states=unfuse(conv_state, self.conv1d.parts),
+                 dt_bias=self.dt_bias[...], A=-jnp.exp(self.A_log[...]), D=self.D[...],
+                 initial_state=None if cache is None else cache.ssm, seq_idx=seq_idx),
+            dict(u=("batch", "seq", None),
+                 in_kernels={k: (None, *v) for k, v in part_axes.items()}, in_biases=part_axes,
+                 conv_kernels={k: (None, *v) for k, v in xbc.items()}, conv_biases=xbc,
+                 conv_states={k: ("batch", None, *v) for k, v in xbc.items()},
+                 dt_bias=(heads,), A=(heads,), D=(heads,),
                  initial_state=("batch", heads, None, None), seq_idx=("batch", "seq")),
-            [("batch", "seq", heads, None), ("batch", heads, None, None)],
+            [("batch", "seq", heads, None), ("batch", "seq", inner), ("batch", "seq", inner),
+             ("batch", heads, None, None),
+             *(("batch", None, *xbc[p.name]) for p in self.conv1d.parts)],
             seq_aware=True,
         )  # fmt: skip
+        conv_state = fuse(
+            dict(zip((p.name for p in self.conv1d.parts), conv_states, strict=True)),
+            self.conv1d.parts,
+            lead=2,
+        )
         y = y.reshape(b, l, self.d_inner)
         sparse_cache = None
         if self.branch is not None:
             # HAX with Mamba-2: y = ssd(x) + o * E, then the gated norm.
-            o, sparse_cache = self.branch.forward(
-                x.reshape(b, l, self.d_inner), cache, mask=mask, rng=rng
-            )
+            o, sparse_cache = self.branch.forward(x, cache, mask=mask, rng=rng)
             y = y.astype(jnp.float32) + o.astype(jnp.float32)
         y = self.norm(y, z)
         return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, ssm_state, sparse_cache)
 
     def step(self, u: jax.Array, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
-        z, xBC, dt = self._split(self.in_proj(u))
-        xBC, conv_state = self.conv1d.step(xBC, cache.conv)
-        x, B, C = self._x_B_C(jax.nn.silu(xBC))
+        z, x, B, C, dt, conv_state = self._project(u, self.conv1d.step, cache.conv)
         heads_per_group = self.n_heads // self.ngroups
         B = jnp.repeat(B.astype(jnp.float32), heads_per_group, axis=1)  # (b, h, n)
         C = jnp.repeat(C.astype(jnp.float32), heads_per_group, axis=1)
@@ -172,3 +193,24 @@ class Mamba2Mixer(nnx.Module):
             y = y + o.astype(jnp.float32)
         y = self.norm(y, z)
         return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, h, sparse_cache)
+
+
+def _front_shard(
+    u, in_kernels, in_biases, conv_kernels, conv_biases, conv_states, dt_bias, A, D,
+    initial_state, seq_idx, *, mixer: Mamba2Mixer, chunk_size: int, impl: str,
+):  # fmt: skip
+    """in_proj, conv + SiLU and the SSD of one device's rows, heads and groups (or of everything,
+    outside shard_map): -> (y (b, l, h, p), z (b, l, e), x (b, l, e) post-conv, final SSM state,
+    *the conv's new state per part)."""
+    proj = linear_parts(u, in_kernels, in_biases, mixer.dtype)
+    dt = jax.nn.softplus(proj["dt"].astype(jnp.float32) + dt_bias)
+    xBC, new_conv = conv_parts(
+        {k: proj[k] for k in ("x", "B", "C")}, conv_kernels, conv_biases, conv_states, seq_idx
+    )
+    x, B, C = (jax.nn.silu(xBC[k]) for k in ("x", "B", "C"))
+    x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)
+    y, h = ssd_sequence_parallel(
+        x_blhp, jnp.clip(dt, *mixer.dt_limit), A, B, C, D, initial_state, seq_idx,
+        chunk_size=chunk_size, impl=impl,
+    )  # fmt: skip
+    return (y, proj["z"], x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))

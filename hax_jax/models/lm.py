@@ -26,7 +26,7 @@ def _block(layer: ResidualBlock, x, cache, seq_idx, mask, rng):
 
 # Saves nothing inside a block: the backward keeps each block's input (the residual stream,
 # b x l x d) and recomputes the block. Saving the matmul outputs too
-# (dots_with_no_batch_dims_saveable) would keep in_proj's (b, l, 2e + 2gn + h), several times the
+# (dots_with_no_batch_dims_saveable) would keep in_proj's outputs (b, l, 2e + 2gn + h), several times the
 # residual, at every layer: the memory remat is there to save.
 # nnx.remat (not jax.checkpoint) carries the sown ranking loss out to nnx.capture.
 _remat_block = nnx.remat(_block, policy=jax.checkpoint_policies.nothing_saveable)

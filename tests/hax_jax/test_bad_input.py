@@ -85,6 +85,16 @@ def test_load_pretrained_names_a_bad_or_missing_config(tmp_path):
         hax_jax.load_pretrained(tmp_path)
 
 
+def test_load_pretrained_names_parameters_its_config_does_not_hold(model, tmp_path):
+    """Parameters that do not fit the config.json beside them (another model's, or an older
+    layout's) are named, not left to orbax's tree mismatch."""
+    hax_jax.save_pretrained(model, tmp_path)
+    other = config_lib.apply_overrides(model.cfg, ["mamba2.d_state=16"])
+    config_lib.save_json(other, tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"in_proj/kernel/B has shape \(16, 1, 8\) there, \(16, 1, 16\) here"):
+        hax_jax.load_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize(
     "override",
     [

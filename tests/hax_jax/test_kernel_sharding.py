@@ -125,7 +125,7 @@ def traced_on(monkeypatch):
 @pytest.mark.parametrize(
     "platform, mesh, kernels, mapped",
     [
-        ("cpu", (2, 1, 2), False, False),  # off-GPU: the pure-JAX paths, partitioned by XLA
+        ("cpu", (2, 1, 2), False, True),  # off-GPU: the pure-JAX paths, per device too
         ("gpu", None, True, False),  # no mesh: the kernels as they are
         ("gpu", (2, 1, 2), True, True),  # data x tensor: the kernels per device
         ("gpu", (2, 2, 2), True, True),  # a split sequence too: kernels per shard, states passed

@@ -10,51 +10,24 @@ loss included); one block's count is the difference between a
 import collections
 import re
 
-import jax
-import optax
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hax_jax import sharding
 from hax_jax.config import Mamba2Config, MeshConfig, ModelConfig, SparseConfig
-from hax_jax.models.lm import LanguageModel, rank_loss_sum
+from tests.support.collectives import step_collectives
 
 # Sizes chosen so no parameter or state dimension equals a length or chunk count below.
 L, D_CONV, CHUNK, SHARDS = 1024, 4, 8, 2
-COLLECTIVE = re.compile(
-    r"= (\S+|\(.*?\)) (all-gather|all-reduce|collective-permute|reduce-scatter|all-to-all)"
-    r"(?:-start)?\("
-)
 
 
 def _step_collectives(n_layer: int, sparse: str) -> list[tuple[str, str]]:
-    """(kind, result shape) of every collective in the compiled value_and_grad of the LM loss
-    (with the ranking loss of a sparse branch)."""
+    """(kind, result shape) of every collective of the step under data x seq = 1 x 2."""
     cfg = ModelConfig(
         d_model=40, n_layer=n_layer, vocab_size=48, block_pattern=("mamba2",),
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=CHUNK, d_conv=D_CONV),
         sparse=SparseConfig(pattern=sparse, num_keys=16, hash_bits=3, max_len=L),
     )  # fmt: skip
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
-
-    def loss(params, tokens):
-        model = nnx.merge(graphdef, params)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
-        return ce + rank_loss_sum(sown)
-
-    mesh = sharding.make_mesh(MeshConfig(data=1, seq=SHARDS, tensor=1), jax.devices("cpu"))
-    params = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        state,
-        sharding.param_shardings(state, mesh),
-    )
-    tokens = jax.ShapeDtypeStruct((1, L), "int32", sharding=NamedSharding(mesh, P(None, "seq")))
-    with jax.set_mesh(mesh):
-        hlo = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().as_text()
-    return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
+    return step_collectives(cfg, MeshConfig(data=1, seq=SHARDS, tensor=1), 1, L, P(None, "seq"))
 
 
 # Per block (measured): Mamba-2's conv halo (a collective-permute, and its transpose in the

@@ -76,7 +76,9 @@ def test_every_param_has_logical_axes():
         assert all(a is None or a in known for a in axes), (path, axes)
     # The pure-dict form (the training code's params) maps path for path.
     axes_dict = sharding.logical_axes_dict(state)
-    assert axes_dict["layers"][1]["mixer"]["in_proj"]["kernel"] == ("embed", "inner")
+    in_proj = axes_dict["layers"][1]["mixer"]["in_proj"]["kernel"]  # mamba2: stored per part
+    assert in_proj == {"z": ("embed", "inner"), "x": ("embed", "inner"), "dt": ("embed", "heads"),
+                       "B": ("embed", "groups", "state"), "C": ("embed", "groups", "state")}  # fmt: skip
     assert jax.tree.structure(nnx.to_pure_dict(state)) == jax.tree.structure(
         sharding.param_shardings_dict(state, sharding.make_mesh(MeshConfig(), CPUS))
     )
@@ -150,13 +152,16 @@ def test_params_are_placed_sharded(mesh, fsdp):
     mixer = placed["layers"][0]["mixer"]
     assert placed["embedding"]["embedding"].sharding.spec == P("tensor", embed)
     assert placed["lm_head"]["kernel"].sharding.spec == P(embed, "tensor")
-    assert mixer["in_proj"]["kernel"].sharding.spec == P(embed, "tensor")
+    assert mixer["in_proj"]["kernel"]["x"].sharding.spec == P(embed, "tensor")
+    assert mixer["in_proj"]["kernel"]["dt"].sharding.spec == P(embed, "tensor")
+    # One group of B and C (every head reads it): whole on every device.
+    assert mixer["in_proj"]["kernel"]["B"].sharding.spec == P(embed, None, None)
     assert mixer["out_proj"]["kernel"].sharding.spec == P("tensor", embed)
     assert mixer["A_log"].sharding.spec == P("tensor")
     assert placed["norm_f"]["weight"].sharding.spec == P(embed)
-    # Really split: each device holds half of in_proj's output columns.
-    shard_shape = mixer["in_proj"]["kernel"].addressable_shards[0].data.shape
-    assert shard_shape == (64 // (2 if fsdp else 1), mixer["in_proj"]["kernel"].shape[1] // 2)
+    # Really split: each device holds half of the x part's output columns.
+    x_part = mixer["in_proj"]["kernel"]["x"]
+    assert x_part.addressable_shards[0].data.shape == (64 // (2 if fsdp else 1), x_part.shape[1] // 2)
     # The State form gives the same shardings.
     state_shardings = sharding.param_shardings(
         nnx.state(model, nnx.Param), mesh, sharding.rules(fsdp)
@@ -233,4 +238,4 @@ def test_sharded_loss_and_grads_equal_single_device(mesh, kind):
     # The gradients come back laid out like the parameters.
     in_proj = "in_proj" if "mamba" in kind else None
     if in_proj:
-        assert grads["layers"][0]["mixer"][in_proj]["kernel"].sharding.spec == P(None, "tensor")
+        assert grads["layers"][0]["mixer"][in_proj]["kernel"]["x"].sharding.spec == P(None, "tensor")

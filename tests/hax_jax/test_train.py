@@ -143,7 +143,7 @@ def test_sharded_training_equals_one_device(tmp_path):
     np.testing.assert_allclose([many[s] for s in one], [one[s] for s in one], rtol=1e-4)
     # Parameters really are split: the vocab over "tensor", d_inner over "tensor".
     assert "tensor" in params["embedding"]["embedding"].sharding.spec
-    assert "tensor" in jax.tree.leaves(params["layers"][0]["mixer"]["in_proj"])[0].sharding.spec
+    assert "tensor" in params["layers"][0]["mixer"]["in_proj"]["kernel"]["x"].sharding.spec
     assert len(params["embedding"]["embedding"].addressable_shards) == 8
 
 
@@ -188,8 +188,8 @@ def test_init_from_loads_the_pretrained_parameters(tmp_path):
     state = _trainer([*SMALL, f"train.init_from={tmp_path / 'pre'}"], tmp_path / "w").state
     want = nnx.to_pure_dict(nnx.state(pretrained, nnx.Param))
     np.testing.assert_array_equal(
-        state.params["layers"][0]["mixer"]["in_proj"]["kernel"],
-        want["layers"][0]["mixer"]["in_proj"]["kernel"],
+        state.params["layers"][0]["mixer"]["in_proj"]["kernel"]["x"],
+        want["layers"][0]["mixer"]["in_proj"]["kernel"]["x"],
     )
     assert "branch" in state.params["layers"][0]["mixer"]  # the HAX branch is new: kept at its init
     with pytest.raises(

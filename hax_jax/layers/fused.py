@@ -1,0 +1,215 @@
+"""Projections and convs that checkpoints store fused, kept part by part so each part shards alone.
+
+mamba_ssm's Mamba-2 in_proj is one Linear whose output is [z | x | B | C | dt], its conv1d one
+depthwise conv over [x | B | C] (Mamba-1: in_proj -> [x | z]). Split over "tensor" as one axis, a
+device would hold a piece of z and a piece of x, and slicing the parts out would reshard them
+(collective-permutes and all-to-alls in every block). Stored as one parameter per part, each part
+splits on its own logical axes: a device's z, x, dt for its heads and B, C for its groups are local
+(Mamba-2 paper §8.1). The fused layout lives on only in `parts`, which conversion
+(hax_jax.convert) reads to slice and concatenate checkpoints' tensors.
+
+Initialisation draws the fused tensor with one key, as one nnx.Linear / CausalConv1d would, and
+cuts it into parts: the same values as the fused layer for the same rngs.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hax_jax.layers.conv import conv_shard, torch_linear_init
+from hax_jax.parallel import per_device
+
+
+class Part(NamedTuple):
+    """One part of a fused output: its shape (flattened in the fused layout) and logical axes."""
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def _cut(fused: jax.Array, parts: Sequence[Part], lead: tuple[int, ...], lead_axes, **meta):
+    """An nnx.Dict of Params, one per part, cut from the last axis of `fused` and reshaped."""
+    out, start = {}, 0
+    for p in parts:
+        value = fused[..., start : start + p.size].reshape(*lead, *p.shape)
+        out[p.name] = nnx.Param(value, logical_axes=(*lead_axes, *p.axes), **meta)
+        start += p.size
+    return nnx.Dict(out)
+
+
+def fuse(arrays: Mapping[str, jax.Array], parts: Sequence[Part], lead: int) -> jax.Array:
+    """The fused array: each part flattened after its first `lead` axes, concatenated in order."""
+    return jnp.concatenate(
+        [arrays[p.name].reshape(*arrays[p.name].shape[:lead], p.size) for p in parts], axis=-1
+    )
+
+
+def unfuse(fused: jax.Array, parts: Sequence[Part]) -> dict[str, jax.Array]:
+    """Inverse of `fuse`: the parts of the last axis, each in its own shape."""
+    out, start = {}, 0
+    for p in parts:
+        out[p.name] = fused[..., start : start + p.size].reshape(*fused.shape[:-1], *p.shape)
+        start += p.size
+    return out
+
+
+class FusedLinear(nnx.Module):
+    """x (..., in) -> {part: (..., *part.shape)}: one Linear's output, stored part by part."""
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: Sequence[Part],
+        *,
+        in_axis: str | None,
+        use_bias: bool,
+        dtype,
+        rngs: nnx.Rngs,
+        kernel_init=None,
+    ):
+        self.parts = tuple(parts)
+        total = sum(p.size for p in parts)
+        init = kernel_init or torch_linear_init(in_features)
+        kernel = init(rngs.params(), (in_features, total))
+        self.kernel = _cut(kernel, parts, (in_features,), (in_axis,))
+        self.bias = nnx.data(None)
+        if use_bias:
+            rngs.params()  # nnx.Linear draws a key for its (zero) bias: keep the same key stream
+            self.bias = _cut(jnp.zeros((total,), jnp.float32), parts, (), ())
+        self.dtype = dtype
+
+    def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
+        """The parts' kernels and biases (None without bias), as dicts of arrays."""
+        kernels = {p.name: self.kernel[p.name][...] for p in self.parts}
+        return kernels, None if self.bias is None else {
+            p.name: self.bias[p.name][...] for p in self.parts
+        }
+
+    def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
+        return linear_parts(x, *self.arrays(), self.dtype)
+
+
+def linear_parts(x: jax.Array, kernels: Mapping, biases: Mapping | None, dtype) -> dict:
+    """x (..., in) -> {part: (..., *shape)}: each part's kernel (in, *shape) applied (nnx.Linear's
+    arithmetic: inputs and parameters in `dtype`)."""
+    out = {}
+    for name, kernel in kernels.items():
+        y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=1)
+        out[name] = y if biases is None else y + biases[name].astype(dtype)
+    return out
+
+
+class FusedConv1d(nnx.Module):
+    """Depthwise causal conv over the channels of several parts, stored part by part.
+
+    Its state (the decode cache) keeps the fused layout (b, width - 1, total channels), as
+    mamba_ssm's conv_state does; under a split "seq" the parts share one halo exchange.
+    """
+
+    def __init__(self, parts: Sequence[Part], width: int, *, use_bias: bool, rngs: nnx.Rngs):
+        self.parts, self.width = tuple(parts), width
+        total = sum(p.size for p in parts)
+        init = torch_linear_init(width)  # torch Conv1d with groups=channels: fan_in = width
+        self.kernel = _cut(init(rngs.params(), (width, total)), parts, (width,), (None,))
+        self.bias = (
+            _cut(init(rngs.params(), (total,)), parts, (), ()) if use_bias else nnx.data(None)
+        )
+
+    def init_state(self, batch: int, dtype) -> jax.Array:
+        """The zero window (b, width - 1, total channels)."""
+        return jnp.zeros((batch, self.width - 1, sum(p.size for p in self.parts)), dtype)
+
+    def __call__(
+        self,
+        xs: Mapping[str, jax.Array],
+        *,
+        state: jax.Array | None = None,
+        seq_idx: jax.Array | None = None,
+    ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """xs {part: (b, l, *shape)}, state (b, width - 1, total) -> (ys as xs, new state)."""
+        b, dtype = next(iter(xs.values())).shape[0], next(iter(xs.values())).dtype
+        states = unfuse(self.init_state(b, dtype) if state is None else state, self.parts)
+        kernels, biases = self.arrays()
+        ys, states = conv_parts_sharded(xs, kernels, biases, states, seq_idx, self.parts)
+        return ys, fuse(states, self.parts, lead=2)
+
+    def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
+        """The parts' kernels and biases (None without bias), as dicts of arrays."""
+        kernels = {p.name: self.kernel[p.name][...] for p in self.parts}
+        return kernels, None if self.bias is None else {
+            p.name: self.bias[p.name][...] for p in self.parts
+        }
+
+    def step(
+        self, xs: Mapping[str, jax.Array], state: jax.Array
+    ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """One token: xs {part: (b, *shape)}, state (b, width - 1, total) -> (ys, new state)."""
+        x = fuse(xs, self.parts, lead=1)
+        window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1).astype(jnp.float32)
+        kernel = fuse({p.name: self.kernel[p.name][...] for p in self.parts}, self.parts, lead=1)
+        y = jnp.einsum("bkc,kc->bc", window, kernel.astype(jnp.float32))
+        if self.bias is not None:
+            y = y + fuse({p.name: self.bias[p.name][...] for p in self.parts}, self.parts, lead=0)
+        return unfuse(y.astype(x.dtype), self.parts), window[:, 1:].astype(x.dtype)
+
+
+def conv_parts_sharded(xs, kernels, biases, states, seq_idx, parts: Sequence[Part]):
+    """`conv_parts` per device (each on its batch rows and its parts' channels; a split "seq"
+    passes one halo for all parts)."""
+    names = [p.name for p in parts]
+    outs = per_device(
+        lambda **kw: _flat_outputs(conv_parts(**kw), names),
+        dict(xs=xs, kernels=kernels, biases=biases, states=states, seq_idx=seq_idx),
+        dict(
+            xs={p.name: ("batch", "seq", *p.axes) for p in parts},
+            kernels={p.name: (None, *p.axes) for p in parts},
+            biases={p.name: p.axes for p in parts},
+            states={p.name: ("batch", None, *p.axes) for p in parts},
+            seq_idx=("batch", "seq"),
+        ),
+        [("batch", "seq", *p.axes) for p in parts] + [("batch", None, *p.axes) for p in parts],
+        seq_aware=True,
+    )
+    return dict(zip(names, outs[: len(names)], strict=True)), dict(
+        zip(names, outs[len(names) :], strict=True)
+    )
+
+
+def _flat_outputs(out: tuple[dict, dict], names) -> tuple:
+    """(ys, states) dicts -> (*ys, *states) in `names` order (per_device's outputs are flat)."""
+    return (*(out[0][n] for n in names), *(out[1][n] for n in names))
+
+
+def conv_parts(xs, kernels, biases, states, seq_idx):
+    """The causal conv (layers/conv.py `conv_shard`) of each part of this shard, the parts' channels
+    side by side so a split "seq" passes one halo for all: xs {part: (b, l, *shape)}, kernels
+    {part: (width, *shape)}, biases {part: shape} or None, states {part: (b, width - 1, *shape)}
+    -> (ys as xs, new states as states)."""
+    names = list(xs)
+
+    def flat(a, lead):
+        return a.reshape(*a.shape[:lead], -1)
+
+    def cut(a, like):
+        sizes = [math.prod(xs[n].shape[2:]) for n in names]
+        pieces = jnp.split(a, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=-1)
+        return {
+            n: p.reshape(*p.shape[:2], *like[n].shape[2:])
+            for n, p in zip(names, pieces, strict=True)
+        }
+
+    x = jnp.concatenate([flat(xs[n], 2) for n in names], axis=-1)
+    kernel = jnp.concatenate([flat(kernels[n], 1) for n in names], axis=-1)
+    bias = None if biases is None else jnp.concatenate([flat(biases[n], 0) for n in names], -1)
+    state = jnp.concatenate([flat(states[n], 2) for n in names], axis=-1)
+    y, new_state = conv_shard(x, kernel, bias, state, seq_idx)
+    return cut(y, xs), cut(new_state, states)

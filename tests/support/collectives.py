@@ -1,0 +1,55 @@
+"""The collectives of a compiled LM training step (loss + gradients), read from optimized HLO."""
+
+import re
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hax_jax import sharding
+from hax_jax.config import MeshConfig, ModelConfig
+from hax_jax.models.lm import LanguageModel, rank_loss_sum
+
+COLLECTIVE = re.compile(
+    r"= (\S+|\(.*?\)) (all-gather|all-reduce|collective-permute|reduce-scatter|all-to-all)"
+    r"(?:-start)?\("
+)
+ARRAY = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def step_collectives(
+    cfg: ModelConfig, mesh_cfg: MeshConfig, batch: int, length: int, tokens_spec: P
+) -> list[tuple[str, str]]:
+    """(kind, result shape) of every collective in the compiled value_and_grad of the LM loss
+    (with the ranking loss of a sparse branch) on the simulated CPU devices."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
+
+    def loss(params, tokens):
+        model = nnx.merge(graphdef, params)
+        logits, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+        return ce + rank_loss_sum(sown)
+
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices("cpu"))
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        state,
+        sharding.param_shardings(state, mesh),
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (batch, length), "int32", sharding=NamedSharding(mesh, tokens_spec)
+    )
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().as_text()
+    return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
+
+
+def arrays(collectives: list[tuple[str, str]]) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, shape) of every array a collective moves (a combined collective moves several)."""
+    return [
+        (kind, tuple(int(d) for d in m.group(1).split(",") if d))
+        for kind, shape in collectives
+        for m in ARRAY.finditer(re.sub(r"\{.*?\}", "", shape))
+    ]
