@@ -4,6 +4,7 @@ Variants: `<base>,<sparse>` with base in {mamba, mamba2} and sparse in SPARSE be
 `<base>,double` (no branch, doubled width, for a fair parameter count); and `samba`. Widths follow the HAX
 code's configs (d_model 64, 2 layers; Mamba d_state 16, Mamba-2 d_state 32 with 8 heads of 16). Samba uses
 d_model 64 and window 64 as the paper states (the code's samba.json says hidden_size 32).
+PAPER_ACCURACY holds the paper's Table 1 for `python -m hax_jax.sweep configs/joint_recall.py`.
 """
 
 import dataclasses
@@ -32,6 +33,16 @@ SPARSE = {
 VARIANTS = tuple(
     f"{base},{name}" for base in ("mamba", "mamba2") for name in (*SPARSE, "double")
 ) + ("samba",)
+# The paper's Table 1: joint-recall test accuracy (%) of each cell (2 layers, d_model 64).
+_TABLE_1 = {  # columns: none d sw sw+d a lsh ks hax double
+    "mamba": (16.3, 7.8, 18.7, 16.6, 16.4, 11.6, 36.6, 38.0, 34.5),
+    "mamba2": (36.6, 19.6, 70.6, 48.6, 49.3, 13.5, 60.1, 74.3, 59.2),
+}
+PAPER_ACCURACY = {
+    f"{base},{name}": value
+    for base, row in _TABLE_1.items()
+    for name, value in zip((*SPARSE, "double"), row, strict=True)
+} | {"samba": 6.3}
 
 
 def _base(d_model: int, base: str) -> ModelConfig:

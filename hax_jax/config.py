@@ -508,7 +508,13 @@ def load_json(cls: type, path: str | Path) -> Any:
 def load_config_file(spec: str | Path) -> Config:
     """Runs `configs/<name>.py` and returns its `get_config()`; `configs/<name>.py:<arg>` passes `arg`."""
     path_text, _, arg = str(spec).partition(".py:")
-    path = Path(path_text + ".py") if arg else Path(spec)
+    module = load_config_module(path_text + ".py" if arg else spec)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def load_config_module(path: str | Path) -> types.ModuleType:
+    """The module of a config file (its get_config(), and a grid's VARIANTS); errors name the file."""
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     module_spec = importlib.util.spec_from_file_location(f"_hax_config_{path.stem}", path)
@@ -516,4 +522,4 @@ def load_config_file(spec: str | Path) -> Config:
     module_spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {str(path)!r} defines no get_config()")
-    return module.get_config(arg) if arg else module.get_config()
+    return module
