@@ -186,6 +186,6 @@ class MambaMixer(nnx.Module):
 def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype):
     """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
     shard_map): -> (x post-conv (b, l, e), z (b, l, e), the conv's new state)."""
-    proj = linear_parts(u, in_kernels, in_biases, dtype)
+    proj = linear_parts(u, in_kernels, in_biases, dtype, ("x", "z"))
     x, new_state = conv_shard(proj["x"], conv_kernel, conv_bias, conv_state, None)
     return jax.nn.silu(x), proj["z"], new_state

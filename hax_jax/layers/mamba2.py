@@ -14,9 +14,10 @@ from hax_jax.layers.fused import (
     FusedConv1d,
     FusedLinear,
     Part,
-    conv_parts,
+    apart,
+    conv_joined,
     fuse,
-    linear_parts,
+    fused_linear,
     unfuse,
 )
 from hax_jax.layers.hax_attention import SparseAttentionCache
@@ -24,6 +25,8 @@ from hax_jax.layers.mamba import dt_bias_init, sparse_branch
 from hax_jax.layers.norms import GatedRMSNorm
 from hax_jax.parallel import per_device, ssd_head_and_group_names, ssd_sequence_parallel
 from hax_jax.sharding import linear_axes
+
+XBC = ("x", "B", "C")  # the conv's parts, contiguous in in_proj's output
 
 
 class Mamba2Cache(NamedTuple):
@@ -202,15 +205,18 @@ def _front_shard(
     """in_proj, conv + SiLU and the SSD of one device's rows, heads and groups (or of everything,
     outside shard_map): -> (y (b, l, h, p), z (b, l, e), x (b, l, e) post-conv, final SSM state,
     *the conv's new state per part)."""
-    proj = linear_parts(u, in_kernels, in_biases, mixer.dtype)
-    dt = jax.nn.softplus(proj["dt"].astype(jnp.float32) + dt_bias)
-    xBC, new_conv = conv_parts(
-        {k: proj[k] for k in ("x", "B", "C")}, conv_kernels, conv_biases, conv_states, seq_idx
+    # One GEMM and contiguous slices, as the fused layer: [z | x | B | C | dt] (local parts).
+    zxbcdt, shapes = fused_linear(
+        u, in_kernels, in_biases, mixer.dtype, [p.name for p in mixer.in_proj.parts]
     )
-    x, B, C = (jax.nn.silu(xBC[k]) for k in ("x", "B", "C"))
+    e, conv_dim = shapes[0][0], sum(math.prod(s) for s in shapes[1:4])
+    z, xBC, dt = jnp.split(zxbcdt, [e, e + conv_dim], axis=-1)
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
+    xBC, new_conv = conv_joined(xBC, conv_kernels, conv_biases, conv_states, seq_idx, XBC)
+    x, B, C = apart(jax.nn.silu(xBC), XBC, shapes[1:4]).values()
     x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)
     y, h = ssd_sequence_parallel(
         x_blhp, jnp.clip(dt, *mixer.dt_limit), A, B, C, D, initial_state, seq_idx,
         chunk_size=chunk_size, impl=impl,
     )  # fmt: skip
-    return (y, proj["z"], x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))
+    return (y, z, x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))
