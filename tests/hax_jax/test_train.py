@@ -245,3 +245,18 @@ def test_a_mesh_that_cannot_split_a_parameter_is_refused(tmp_path):
     the parameter, its size and the mesh axis (it used to stay whole on every device, silently)."""
     with pytest.raises(ValueError, match=r"embedding/embedding \(vocab = 100\) over mesh.tensor=8"):
         train.main([*SMALL, f"workdir={tmp_path}", "mesh.data=1", "mesh.tensor=8"])
+
+
+def test_a_tensor_size_that_splits_groups_apart_is_refused(tmp_path):
+    """Two B / C groups over mesh.tensor=4 would cut a group's state apart (its heads could not
+    read it): refused, naming the group parameters (one group is replicated, by design)."""
+    with pytest.raises(ValueError, match=r"mixer/\S+/B \(groups = 2\) over mesh.tensor=4"):
+        train.main(
+            [
+                *SMALL,
+                f"workdir={tmp_path}",
+                "mesh.data=1",
+                "mesh.tensor=4",
+                "model.mamba2.ngroups=2",
+            ]
+        )
