@@ -1,8 +1,10 @@
 """Timing helpers shared by the kernel benchmarks: synchronised medians, pipelined means,
-per-kernel GPU times from the JAX profiler, and `name:key=value,...` tuning configurations."""
+per-kernel GPU times from the JAX profiler, the collectives of a compiled program, and
+`name:key=value,...` tuning configurations."""
 
 import collections
 import glob
+import re
 import statistics
 import tempfile
 import time
@@ -75,6 +77,31 @@ def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU"):
             for event in line.events:
                 totals[event.name] += event.duration_ns / 1e3 / reps
     return dict(totals.most_common())
+
+
+# A collective's result in optimized HLO: plain (synchronous, or inside an async computation) or
+# the `-done` of an async pair (whose result is the output alone; `-start` also holds the input).
+_COLLECTIVE = re.compile(
+    r"= (\S+|\(.*?\)) (all-gather|all-reduce|collective-permute|reduce-scatter|all-to-all)"
+    r"(-done)?\("
+)
+_ARRAY = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
+_BITS = re.compile(r"\d+$")
+
+
+def collectives_by_kind(hlo: str) -> dict[str, tuple[int, int]]:
+    """{kind: (count, bytes of their results)} of the collectives in optimized HLO text."""
+    totals = collections.defaultdict(lambda: [0, 0])
+    for match in _COLLECTIVE.finditer(hlo):
+        kind = match.group(2)
+        totals[kind][0] += 1
+        for dtype, dims in _ARRAY.findall(re.sub(r"\{.*?\}", "", match.group(1))):
+            size = 1
+            for d in filter(None, dims.split(",")):
+                size *= int(d)
+            bits = 8 if dtype == "pred" else int(_BITS.search(dtype).group())
+            totals[kind][1] += size * bits // 8
+    return {kind: (count, size) for kind, (count, size) in sorted(totals.items())}
 
 
 def parse_config(text):

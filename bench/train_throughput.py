@@ -9,6 +9,7 @@ loading excluded), timed to the last result. `e2e` is train.py's own tokens/s (i
 short real run with fresh batches every step, data generation and host transfer included. `--set`
 applies config overrides to every case (e.g. a mesh); `peak GiB` is the largest peak_bytes_in_use of
 the mesh's devices since the process started (run one case per process to read it per case).
+`--collectives` lists the collectives of the compiled step by kind: count and bytes moved per step.
 """
 
 import argparse
@@ -31,6 +32,7 @@ from bench import timing
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
 LM = ["data.batch_size=8", "data.seq_len=2048"]
+BIG_LM = ["model.dtype=bfloat16", "data.task=tokens", "data.document_boundaries=false"]
 CASES = {
     "jr_mamba2_hax": ["configs/joint_recall.py:mamba2,hax"],
     "jr_mamba2_none": ["configs/joint_recall.py:mamba2,none"],
@@ -43,6 +45,9 @@ CASES = {
         "configs/hax_130m.py", "model.sparse.pattern=", "data.batch_size=1", "data.seq_len=32768"
     ],
     "lm_hax_mamba2_130m_64k": ["configs/hax_130m.py", "data.batch_size=1", "data.seq_len=65536"],
+    # The released Mamba-2 1.3B / 2.7B architectures, as LMs on 2048-token rows (tensor=2: issue 18).
+    "lm_mamba2_1_3b": ["configs/mamba2_1_3b.py", *BIG_LM, *LM],
+    "lm_mamba2_2_7b": ["configs/mamba2_2_7b.py", *BIG_LM, *LM],
     # The same models on the pure-JAX paths (impl="auto" takes the Pallas kernels on a GPU).
     "lm_mamba2_130m_purejax": [
         "configs/hax_130m.py",
@@ -70,9 +75,10 @@ def token_file(directory: Path, vocab_size: int, seq_len: int) -> str:
     return str(path)
 
 
-def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0) -> dict:
+def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0, collectives=False) -> dict:
     """Pure-step and end-to-end throughput of one case, with `extra` overrides; `profile` > 0
-    prints that many of GPU 0's costliest kernels in a step."""
+    prints that many of GPU 0's costliest kernels in a step; `collectives` prints the compiled
+    step's collectives."""
     argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], *extra, "train.progress=false"]
     if name.startswith("lm_"):
         seq_len = train.resolve_config(argv).data.seq_len
@@ -85,6 +91,11 @@ def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0) -> dict:
         trainer = train.Trainer(cfg, workdir, mesh)
         batch = trainer.batch(next(trainer.iterator))
         state = trainer.state
+        if collectives:
+            hlo = trainer.step_fn.lower(state, batch).compile().as_text()
+            print(f"collectives of one {name} step ({' '.join(extra)}):")
+            for kind, (count, size) in timing.collectives_by_kind(hlo).items():
+                print(f"  {kind:20s} {count:5d}  {size / 2**20:10.2f} MiB")
         start = time.perf_counter()
         state, metrics = trainer.step_fn(state, batch)
         jax.block_until_ready(metrics)
@@ -150,6 +161,7 @@ def main() -> None:
     parser.add_argument("--no-e2e", action="store_true", help="time the jitted step only")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every case")
     parser.add_argument("--profile", type=int, default=0, help="print this many top GPU kernels")
+    parser.add_argument("--collectives", action="store_true", help="list the step's collectives")
     args = parser.parse_args()
     device = jax.devices()[0]
     header = (
@@ -161,7 +173,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.cases.split(","):
             r = measure(name, args.steps, Path(scratch), e2e=not args.no_e2e, extra=args.set,
-                        profile=args.profile)
+                        profile=args.profile, collectives=args.collectives)
             rows.append(
                 f"| {r['case']} | `{r['config']}` | {r['batch']} | {r['compile_s']:.1f} | "
                 f"{r['step_ms']:.2f} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:,.0f} | "

@@ -1,0 +1,98 @@
+"""End-to-end training throughput of train.py launched as the README says: one process per GPU.
+
+    python bench/multiprocess_throughput.py --case lm_mamba2_130m --processes 2 [--steps 20]
+        [--set mesh.data=2 data.batch_size=16]
+
+Starts `--processes` train.py processes on this host, process i seeing GPU i alone, with
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID as in the README; they train 3 x
+--steps steps on fresh batches of a case of bench/train_throughput.py. Reports process 0's tokens/s
+(metrics.jsonl, a window every --steps steps; the first, which compiles, left out). `--processes 1`
+runs one train.py over every visible GPU with the same arguments: the one-process baseline.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.train_throughput import CASES, token_file
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for the coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(case: str, processes: int, steps: int, extra: list[str], scratch: Path) -> float:
+    """Process 0's mean tokens/s over the windows after the first."""
+    workdir = scratch / f"{case}_{processes}p"
+    seq_len = next(
+        (
+            int(a.split("=")[1])
+            for a in [*CASES[case], *extra][::-1]
+            if a.startswith("data.seq_len=")
+        ),
+        2048,
+    )
+    n = 3 * steps
+    argv = [
+        str(ROOT / CASES[case][0]),
+        *CASES[case][1:],
+        *extra,
+        f"data.path={token_file(scratch, 50277, seq_len)}",
+        f"workdir={workdir}",
+        f"train.num_steps={n}",
+        f"train.log_every={steps}",
+        f"train.eval_every={n}",
+        f"train.checkpoint_every={n}",
+        "data.eval_batches=1",
+        "train.progress=false",
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if processes > 1:
+        env |= {
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+            "JAX_NUM_PROCESSES": str(processes),
+        }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *argv],
+            env=env
+            if processes == 1
+            else env | {"JAX_PROCESS_ID": str(i), "CUDA_VISIBLE_DEVICES": str(i)},
+        )
+        for i in range(processes)
+    ]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"error: train.py exited with {codes} for {case} on {processes} processes")
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    windows = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]
+    return float(np.mean(windows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", required=True, choices=sorted(CASES))
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides (e.g. the mesh)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        tokens_per_s = run(args.case, args.processes, args.steps, args.set, Path(scratch))
+    print(f"| {args.case} | `{' '.join(args.set)}` | {args.processes} | {tokens_per_s:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
