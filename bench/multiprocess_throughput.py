@@ -74,7 +74,11 @@ def run(case: str, processes: int, steps: int, extra: list[str], scratch: Path) 
         )
         for i in range(processes)
     ]
-    codes = [p.wait() for p in procs]
+    try:
+        codes = [p.wait() for p in procs]
+    finally:  # interrupted (or one failed): none is left holding a GPU
+        for p in procs:
+            p.kill()
     if any(codes):
         raise SystemExit(f"error: train.py exited with {codes} for {case} on {processes} processes")
     lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
