@@ -14,12 +14,15 @@ token, levels' token ranges follow the contexts' (a tokens, then b, ...), the ta
 level; every entry is asked.
 """
 
+import functools
 import hashlib
+import itertools
 import math
 
 import numpy as np
 
 BOS, PAD, SEP = 1, 3, 4
+LAST = (1 << 63) - 1  # a sort key above every 63-bit word: padding children sort last
 VALUE_OFFSET = 10
 SPLITS = {
     "train": (0, 980),
@@ -42,8 +45,8 @@ def level_bases(
     """The first token id of every level, outermost first: (*outer levels, contexts, keys)."""
     key_base = VALUE_OFFSET + n_value
     context_base = key_base + max_n_key
-    outer_bases = context_base + max_n_context + np.cumsum((0, *outer_levels))[:-1]
-    return (*map(int, outer_bases), context_base, key_base)
+    outer_bases = itertools.accumulate(outer_levels, initial=context_base + max_n_context)
+    return (*list(outer_bases)[:-1], context_base, key_base)
 
 
 def check_vocab(
@@ -148,42 +151,143 @@ def _emit(table, orders, bases, part, tokens, mask):
             _emit(table[child], [o[child] for o in orders[1:]], bases[1:], part, tokens, mask)
 
 
-def _draw_orders(rng: np.random.Generator, shape: tuple[int, ...]) -> list[np.ndarray]:
-    """Random orders of every level: per parent (in index order), a permutation of its children."""
-    return [
-        np.stack([rng.permutation(shape[d]) for _ in range(math.prod(shape[:d]))]).reshape(
-            shape[: d + 1]
-        )
-        for d in range(len(shape))
-    ]
+def draw_count(max_shape: tuple[int, ...]) -> int:
+    """The number of random words one attempt draws: its two sizes, a table, every level's keys."""
+    levels = sum(math.prod(max_shape[: d + 1]) for d in range(len(max_shape)))
+    return 2 + math.prod(max_shape) + 2 * levels
 
 
-def sample(
-    rng: np.random.Generator,
+def draw(
+    seeds,
     *,
-    n_context: int,
-    n_key: int,
+    n_context=(5, 16),
+    n_key=(5, 16),
     n_value=16,
     max_n_context=16,
     max_n_key=16,
     outer_levels=(),
 ):
-    """One random example: a random table and random orders for both parts."""
-    # Draw order (table, then each part's orders level by level) keeps two-level examples identical
-    # to the original generator's.
-    shape = (*outer_levels, n_context, n_key)
-    table = rng.integers(0, n_value, shape)
-    orders = _draw_orders(rng, shape)
-    inquiry_orders = _draw_orders(rng, shape)
-    return layout_levels(
-        table,
-        orders,
-        inquiry_orders,
-        n_value=n_value,
-        max_n_context=max_n_context,
-        max_n_key=max_n_key,
-        outer_levels=outer_levels,
-    )
+    """The random parts of a batch of attempts, attempt a a pure function of seeds[a].
+
+    Each attempt is one vector of 63-bit random words from np.random.PCG64(seeds[a]) (default_rng's
+    bit generator): n_context and n_key (uniform in their ranges), the table, and per level and
+    part one sort key per child; a level's orders sort each parent's keys (a uniformly random
+    permutation: one argsort per level instead of one rng.permutation per parent). Arrays are
+    padded to the largest shape M = (*outer_levels, max_n_context, max_n_key); padding children
+    get the largest keys, so each parent's first n children in order are its real ones, permuted.
+
+    Returns:
+      sizes: (a, len(M)) int, the table shape of each attempt.
+      table: (a, *M) ints in [0, n_value).
+      orders: per level d, (a, 2, *M[: d + 1]) ints: a parent's children in order, in the
+        information part (index 0 of axis 1) and the inquiry part (1).
+    """
+    max_shape = (*outer_levels, max_n_context, max_n_key)
+    count = draw_count(max_shape)
+    raw = np.stack([np.random.PCG64(s).random_raw(count) for s in seeds])
+    words = (raw >> 1).view(np.int64)  # modulo bias below 2**-58: negligible
+    sizes = np.empty((len(seeds), len(max_shape)), np.int64)
+    sizes[:] = max_shape
+    for j, (lo, hi) in enumerate((n_context, n_key)):
+        sizes[:, len(outer_levels) + j] = lo + words[:, j] % (hi - lo + 1)
+    start = 2 + math.prod(max_shape)
+    table = (words[:, 2:start] % n_value).reshape(-1, *max_shape)
+    orders = []
+    for d in range(len(max_shape)):
+        stop = start + 2 * math.prod(max_shape[: d + 1])
+        keys = words[:, start:stop].reshape(-1, 2, *max_shape[: d + 1])
+        start = stop
+        padding = np.arange(max_shape[d]) >= sizes[:, d].reshape(-1, *[1] * (d + 2))
+        orders.append(np.argsort(np.where(padding, LAST, keys), axis=-1))
+    return sizes, table, orders
+
+
+def layout_batch(
+    sizes, table, orders, *, n_value=16, max_n_context=16, max_n_key=16, outer_levels=()
+):
+    """Tokens and inquiry masks ((a, padded_length) int32) of a batch of drawn attempts.
+
+    The fast twin of `layout_levels` (which defines the layout) on `draw`'s padded arrays: every
+    token an attempt can hold is computed into one row (bos, sep, pad, then per level both parts'
+    ids in order, then both parts' values), and the attempt's table shape picks its tokens from
+    that row with a cached gather index (`_slots`).
+    """
+    max_shape = (*outer_levels, max_n_context, max_n_key)
+    depth, batch = len(max_shape), len(sizes)
+    bases = level_bases(n_value, max_n_context, max_n_key, tuple(outer_levels))
+
+    def lead(d):
+        """The attempt and part indices, broadcast against (a, 2, *M[: d + 1])."""
+        ones = (1,) * (d + 1)
+        return np.arange(batch).reshape(-1, 1, *ones), np.arange(2).reshape(1, 2, *ones)
+
+    def expand(x, d):
+        """x of shape (a, 2, *M[: e + 1]) broadcast against (a, 2, *M[: d + 1])."""
+        return x.reshape(x.shape + (1,) * (d + 2 - (x.ndim - 1)))
+
+    pieces = [np.full((batch, 3), (BOS, SEP, PAD))]
+    ids = []  # ids[d][:, part, j_0, ..., j_d]: the level-d id reached by those order positions
+    for d in range(depth):
+        ids.append(orders[d][(*lead(d), *(expand(c, d) for c in ids), np.arange(max_shape[d]))])
+        pieces.append((bases[d] + ids[d]).reshape(batch, -1))
+    value = table[(lead(depth - 1)[0], *(expand(c, depth - 1) for c in ids))]
+    pieces.append((VALUE_OFFSET + value).reshape(batch, -1))
+    source = np.concatenate(pieces, axis=1)
+    gather, mask = zip(*(_slots(tuple(s), max_shape) for s in sizes.tolist()), strict=True)
+    tokens = source[np.arange(batch).reshape(-1, 1), np.stack(gather)].astype(np.int32)
+    return tokens, np.stack(mask)
+
+
+@functools.cache
+def _slots(sizes: tuple[int, ...], max_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Where `layout_batch`'s row of candidate tokens goes for a table of shape `sizes`: the
+    gather index of every position (padded_length,) and the inquiry mask. A node reached by the
+    order positions (j_0, ..., j_d) starts at sum_e j_e len_e + d within its part, len_e being the
+    length of a level-e block (its token and its children's blocks)."""
+    depth = len(max_shape)
+    block = [2]  # a key and its value
+    for d in range(depth - 2, -1, -1):
+        block.insert(0, 1 + sizes[d + 1] * block[0])
+    part_length = sizes[0] * block[0]
+    length = padded_length(max_shape[-2], max_shape[-1], max_shape[:-2])
+    gather = np.full(length, 2)  # the row's pad
+    gather[0], gather[1 + part_length] = 0, 1  # bos, sep
+    mask = np.zeros(length, np.int32)
+    offset = 3
+    for d in range(depth + 1):  # the levels, then the values
+        level_shape = max_shape[: d + 1]
+        grid = np.indices(sizes[: d + 1])
+        source = offset + np.ravel_multi_index(grid, level_shape)
+        for part in range(2):
+            first = 1 + part * (part_length + 1) + min(d, depth - 1)
+            node = first + sum(grid[e] * block[e] for e in range(min(d + 1, depth)))
+            # A value follows its key: one position further.
+            gather[node + (d == depth)] = source + part * math.prod(level_shape)
+            if d == depth - 1:
+                mask[node] = part
+        offset += 2 * math.prod(level_shape)
+    gather.flags.writeable = mask.flags.writeable = False  # shared by every call
+    return gather, mask
+
+
+def sample_batch(
+    seeds,
+    *,
+    n_context=(5, 16),
+    n_key=(5, 16),
+    n_value=16,
+    max_n_context=16,
+    max_n_key=16,
+    outer_levels=(),
+):
+    """Tokens and inquiry masks ((a, padded_length) int32) of attempts, attempt a from seeds[a]."""
+    shape = {
+        "n_value": n_value,
+        "max_n_context": max_n_context,
+        "max_n_key": max_n_key,
+        "outer_levels": tuple(outer_levels),
+    }
+    return layout_batch(*draw(seeds, n_context=n_context, n_key=n_key, **shape), **shape)
 
 
 class JointRecallSource:
@@ -230,6 +334,12 @@ class JointRecallSource:
             "max_n_key": max_n_key,
             "outer_levels": tuple(outer_levels),
         }
+        # Attempts are tried in order, in batches of about half the expected number (1 for train,
+        # 50 for valid and test) of at most ~1M random words: the batch size changes the speed,
+        # never the example.
+        lo, hi = SPLITS[split]
+        words = draw_count((*outer_levels, max_n_context, max_n_key))
+        self.attempts_per_batch = max(1, min(-(-500 // (hi - lo)), (1 << 20) // words))
 
     def __len__(self) -> int:
         """The number of examples."""
@@ -240,20 +350,21 @@ class JointRecallSource:
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for a {self.split} split of {self.size}")
         lo, hi = SPLITS[self.split]
-        for attempt in range(1_000_000):
-            rng = np.random.default_rng([self.seed, lo, index, attempt])
-            tokens, mask = sample(
-                rng,
-                n_context=int(rng.integers(self.n_context[0], self.n_context[1] + 1)),
-                n_key=int(rng.integers(self.n_key[0], self.n_key[1] + 1)),
-                **self.shape,
+        batch = self.attempts_per_batch
+        for first in range(0, 1_000_000, batch):
+            seeds = [[self.seed, lo, index, a] for a in range(first, first + batch)]
+            tokens, mask = sample_batch(
+                seeds, n_context=self.n_context, n_key=self.n_key, **self.shape
             )
-            if lo <= example_hash(tokens) < hi:
-                return (
-                    to_example(tokens, mask)
-                    if self.next_token
-                    else {"tokens": tokens, "mask": mask}
-                )
+            for row in range(batch):
+                if lo <= example_hash(tokens[row]) < hi:
+                    # Copies: a view would keep the whole batch of attempts alive.
+                    found = tokens[row].copy(), mask[row].copy()
+                    return (
+                        to_example(*found)
+                        if self.next_token
+                        else {"tokens": found[0], "mask": found[1]}
+                    )
         raise RuntimeError(
             "no example of this split found"
         )  # unreachable: each draw lands with p >= 1%

@@ -86,17 +86,12 @@ def test_deterministic_and_splits_disjoint():
 
 
 def test_accuracy_is_per_sample_then_averaged():
-    tokens = np.stack(
+    tokens, mask = np.concatenate(
         [
-            jr.sample(np.random.default_rng(s), n_context=c, n_key=k)[0]
+            jr.sample_batch([s], n_context=(c, c), n_key=(k, k))
             for s, c, k in ((0, 5, 5), (1, 8, 9))
-        ]
-    )
-    mask = np.stack(
-        [
-            jr.sample(np.random.default_rng(s), n_context=c, n_key=k)[1]
-            for s, c, k in ((0, 5, 5), (1, 8, 9))
-        ]
+        ],
+        axis=1,
     )
     inputs, labels, loss_mask, real = jr.next_token_batch(tokens, mask)
     assert inputs.shape == labels.shape == loss_mask.shape == (2, 1057)
@@ -108,6 +103,100 @@ def test_accuracy_is_per_sample_then_averaged():
     wrong = np.flatnonzero(loss_mask[1])[::2]
     predictions[1, wrong] = 0
     assert jr.inquiry_accuracy(predictions, labels, loss_mask) == pytest.approx(0.75)
+
+
+def crop(sizes, table, orders):
+    """One drawn attempt's table and orders at its own shape (`layout_levels`' arguments)."""
+    table = table[tuple(slice(n) for n in sizes)]
+    orders = [o[tuple(slice(n) for n in sizes[: d + 1])] for d, o in enumerate(orders)]
+    return table, orders
+
+
+@pytest.mark.parametrize("outer_levels", [(), (1,), (2,), (3, 2)])
+def test_fast_layout_matches_the_recursive_layout(outer_levels):
+    rng = np.random.default_rng(len(outer_levels))
+    for trial in range(12):
+        max_n_context, max_n_key = rng.integers(1, 6, 2)
+        lo_c, lo_k = rng.integers(1, max_n_context + 1), rng.integers(1, max_n_key + 1)
+        # Ranges hit both ends: the minimum 1 and the maximum (every slot real).
+        n_context = [(1, 1), (max_n_context, max_n_context), (lo_c, max_n_context)][trial % 3]
+        n_key = [(1, 1), (max_n_key, max_n_key), (lo_k, max_n_key)][trial // 3 % 3]
+        shape = dict(
+            n_value=int(rng.integers(1, 20)),
+            max_n_context=int(max_n_context),
+            max_n_key=int(max_n_key),
+            outer_levels=outer_levels,
+        )
+        seeds = [[trial, a] for a in range(7)]
+        draws = jr.draw(seeds, n_context=n_context, n_key=n_key, **shape)
+        tokens, mask = jr.layout_batch(*draws, **shape)
+        sizes, tables, orders_a = draws
+        for a in range(len(seeds)):
+            table, orders = crop(sizes[a], tables[a], [o[a, 0] for o in orders_a])
+            _, inquiry_orders = crop(sizes[a], tables[a], [o[a, 1] for o in orders_a])
+            for o in (*orders, *inquiry_orders):  # every parent orders all its real children
+                np.testing.assert_array_equal(np.sort(o, axis=-1), np.broadcast_to(
+                    np.arange(o.shape[-1]), o.shape))  # fmt: skip
+            want = jr.layout_levels(table, orders, inquiry_orders, **shape)
+            np.testing.assert_array_equal(tokens[a], want[0])
+            np.testing.assert_array_equal(mask[a], want[1])
+        # An attempt depends on its seed only: batching is a speed-up.
+        single = jr.sample_batch(seeds[3:4], n_context=n_context, n_key=n_key, **shape)
+        np.testing.assert_array_equal(single[0][0], tokens[3])
+
+
+@pytest.mark.parametrize("split", ["train", "valid"])
+def test_an_example_is_its_splits_first_attempt(split):
+    # The obvious twin of __getitem__: try the attempts one by one.
+    src = jr.JointRecallSource(split, 5, seed=7, n_context=(2, 4), n_key=(1, 3), max_n_key=3)
+    lo, hi = jr.SPLITS[split]
+    for index in range(5):
+        for attempt in range(10_000):
+            seeds = [[7, lo, index, attempt]]
+            tokens, mask = jr.sample_batch(seeds, n_context=(2, 4), n_key=(1, 3), max_n_key=3)
+            if lo <= jr.example_hash(tokens[0]) < hi:
+                break
+        np.testing.assert_array_equal(src[index]["tokens"], tokens[0])
+        np.testing.assert_array_equal(src[index]["mask"], mask[0])
+
+
+def assert_uniform(codes, n_cells):
+    """codes (ints in [0, n_cells)) look uniform: Pearson's chi2 within 5 sd of its mean."""
+    counts = np.bincount(codes, minlength=n_cells)
+    assert len(counts) == n_cells and counts.min() > 0, counts
+    expected = len(codes) / n_cells
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    df = n_cells - 1
+    assert (chi2 - df) / np.sqrt(2 * df) < 5, (chi2, df, counts)
+
+
+def test_draws_are_uniform_and_independent():
+    # rng.permutation per parent (the previous generator) is the draw's slow twin, but the two give
+    # different examples: pin the distribution instead. An argsort of random words must give
+    # uniform orders, independent between the parts, between parents and of the table (a word
+    # drawn twice, e.g. shared by the parts or by the table and an order, shows up here).
+    n = 18_000
+    sizes, table, orders = jr.draw(
+        [[5, a] for a in range(n)],
+        n_context=(3, 3),
+        n_key=(2, 3),
+        n_value=4,
+        max_n_context=3,
+        max_n_key=4,
+    )
+    assert_uniform(sizes[:, 1] - 2, 2)
+    contexts = orders[0][:, :, :3] @ [9, 3, 1]  # (n, part): the context order, 26 codes ...
+    codes = np.unique(contexts, return_inverse=True)[1].reshape(n, 2)  # ... renumbered 0..5
+    assert_uniform(codes[:, 0] * 6 + codes[:, 1], 36)  # information part x inquiry part
+    three = sizes[:, 1] == 3  # keys' orders at n_key 3 (a padding key sorts last)
+    keys = orders[1][three][..., :3] @ [9, 3, 1]  # (n3, part, context)
+    keys = np.unique(keys, return_inverse=True)[1].reshape(keys.shape)
+    assert_uniform(keys[:, 0, 0] * 6 + keys[:, 1, 0], 36)  # a context's keys: the two parts
+    assert_uniform(keys[:, 0, 0] * 6 + keys[:, 0, 1], 36)  # two contexts' keys, one part
+    assert_uniform(keys[:, 0, 0] * 6 + codes[three, 0], 36)  # a context's keys and the contexts
+    assert_uniform(table[:, 0, 0] * 4 + table[:, 2, 1], 16)  # two entries of the table
+    assert_uniform(table[:, 0, 0] * 6 + codes[:, 0], 24)  # an entry and the contexts' order
+    assert_uniform(table[three, 0, 0] * 6 + keys[:, 1, 0], 24)  # an entry and its keys' order
 
 
 def test_bad_arguments():
