@@ -5,7 +5,7 @@
 Issue #6 asks for whichever GPU backend measures faster. Times chunk_state and chunk_out, the
 forward's two matmul kernels, at the issue's shapes (b8, l2048, h24, p64, n128) and
 (b2, l8192, h80, p64, n128), chunk 256, bf16, one group: each a jitted call that prepares the
-inputs (kernel.Prepared) and runs one kernel on the same values; chunk_out is given the same
+inputs (pallas.Prepared) and runs one kernel on the same values; chunk_out is given the same
 incoming states. Prints sync / pipelined ms (bench/timing.py), the largest difference between
 the two kernels' outputs, and with --profile the kernels' own GPU times.
 """
@@ -21,6 +21,7 @@ from bench.ssd_kernel import CHUNK, FWD_BWD, make_inputs
 from bench.timing import kernel_times_us, median_ms, pipelined_ms
 from pallas_kernels.ssd import kernel as triton
 from pallas_kernels.ssd import kernel_mgpu as mgpu
+from pallas_kernels.ssd import pallas
 from pallas_kernels.ssd.tiling import resolve_block_sizes
 
 KERNELS = {
@@ -33,7 +34,7 @@ def case(name, impl, sizes, h_in):
     """A jitted function of the raw inputs running one kernel (h_in: chunk_out's states)."""
 
     def run(x, dt, A, B, C, D):
-        prep = triton.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
+        prep = pallas.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
         if name == "chunk_state":
             return impl(prep, prep.x, prep.w_state * prep.dt, prep.B)
         return impl(prep, h_in)
@@ -45,9 +46,9 @@ def incoming_states(args, sizes):
     """The states entering each chunk (Triton path), chunk_out's input."""
 
     def run(x, dt, A, B, C, D):
-        prep = triton.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
+        prep = pallas.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
         S = triton.chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B)
-        return triton.pass_states(prep, S, triton.pad_state(prep, None))[0]
+        return triton.pass_states(prep, S, pallas.pad_state(prep, None))[0]
 
     return jax.jit(run)(*args)
 

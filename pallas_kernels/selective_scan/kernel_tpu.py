@@ -4,7 +4,7 @@ The chunk axis is sequential ("arbitrary"): the state (n, block_d), channels on 
 in the final-state output block, which stays in VMEM while its block index does not change,
 and the backward keeps dh, dA and dD the same way in its own resident outputs. Each grid
 step moves one chunk of x, dt, z (chunk, block_d) and B, C (chunk, n) into VMEM and runs the
-steps of steps.py on static row slices of those tiles. Outputs are assembled as whole tiles
+steps of kernel.py on static row slices of those tiles. Outputs are assembled as whole tiles
 by masked selects (no single-row stores into packed bf16 blocks) and written once per step.
 Block shapes end in (8k, 128k) or whole axes: x-like blocks (chunk, block_d), B-like
 (chunk, n), states (n, block_d), per-step dB / dC partials (n, chunk).
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from .steps import (
+from .kernel import (
     F32,
     LOG2E,
     Axes,

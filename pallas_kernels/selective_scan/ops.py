@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from .. import backend
 from ..checks import check_float, check_shape
-from . import kernel, tiling
+from . import pallas, tiling
 from .associative import selective_scan_associative
 from .reference import selective_scan_reference
 
@@ -70,7 +70,7 @@ def _bwd_knobs(sizes):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
     """(y, final state) by the Pallas kernels, differentiable through the fused backward."""
-    y, final, _ = kernel.forward(
+    y, final, _ = pallas.forward(
         x, dt, A, B, C, D, z, initial_state, variant=variant, interpret=interpret,
         **_fwd_knobs(sizes),
     )  # fmt: skip
@@ -79,7 +79,7 @@ def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes)
 
 def _pallas_scan_fwd(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
     """Forward that also saves the state every chunk_bwd steps for the backward."""
-    y, final, states = kernel.forward(
+    y, final, states = pallas.forward(
         x, dt, A, B, C, D, z, initial_state, variant=variant, interpret=interpret,
         save_states=True, **_fwd_knobs(sizes),
     )  # fmt: skip
@@ -90,7 +90,7 @@ def _pallas_scan_bwd(variant, interpret, sizes, residuals, cotangents):
     """Cotangents of every input (None for absent optional ones), in the inputs' dtypes."""
     x, dt, A, B, C, D, z, initial_state, states = residuals
     dout, dfinal = cotangents
-    dx, ddt, dA, dB, dC, dD, dz, dh0 = kernel.backward(
+    dx, ddt, dA, dB, dC, dD, dz, dh0 = pallas.backward(
         x, dt, A, B, C, D, z, initial_state, states, dout, dfinal, variant=variant,
         interpret=interpret, **_bwd_knobs(sizes),
     )  # fmt: skip

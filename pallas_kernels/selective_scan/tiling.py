@@ -1,6 +1,6 @@
 """Tiling of the Pallas selective scan: tuning knobs, chunk and channel blocking, padding.
 
-Shared by the gpu (kernel.py) and tpu (kernel_tpu.py) variants. Padding is inert: padded
+Shared by the gpu (kernel_gpu.py) and tpu (kernel_tpu.py) variants. Padding is inert: padded
 steps have dt = 0 (decay 1, no input), padded channels x = dt = 0, padded state columns
 A = B = C = 0 (decay 1, no input, no output), so the kernels never mask.
 """
@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from ..backend import check_variant
-from .steps import F32
+from .kernel import F32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@
 Sequence parallelism splits the sequence into contiguous shards; query i of shard s attends to
 the union of its components' keys over the WHOLE prefix 0..i, as on one device. Every component
 keeps a bounded set of the earlier keys that any later query can select, exactly what the decode
-cache holds (step.py): per LSH bucket the kc most recent keys, the kc best-scored keys (ks), the
+cache holds (decode.py): per LSH bucket the kc most recent keys, the kc best-scored keys (ks), the
 last kc keys (sw), the first kc keys (sink), the kc most recent dilated keys. So each shard
 publishes a `Summary` of its own keys (those sets, computed over the shard alone), the caller
 gathers every shard's summary (one all-gather), and `attend_with_carry` merges the summaries of
@@ -20,8 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .decode import lsh_table_of
 from .indexed import _ks_indices, _lsh_indices, attend_blocked, query_block_size
-from .prefill import lsh_table_of
 from .reference import centred, lsh_buckets
 from .spec import SparseSpec
 

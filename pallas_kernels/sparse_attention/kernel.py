@@ -15,11 +15,10 @@ FlashAttention-2 backward with the final lse: P = exp(s - lse), dS = P (dO.v - d
 
 The lsh kernels read v and dO rows by position through the sorted orders and write o and dv
 by position, so no permuted copy of an e-wide array is made; run-time rows go through
-`row_access` (Triton pointers on gpu, DMAs and SMEM on tpu). Letters: b batch, c query block,
+`tiling.Loader` (Triton pointers on gpu, DMAs and SMEM on tpu). Letters: b batch, c query block,
 t key tile, n key dim (padded to >= 16), e value dim (padded to the e block).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -27,22 +26,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from .row_access import Loader, Specs
+from .tiling import Loader, Specs
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiles: block_q queries per block, block_k sorted keys per lsh tile, block_e value columns
-    per program (powers of two >= 16); num_warps / num_stages for Triton."""
-
-    block_q: int = 64
-    block_k: int = 64
-    block_e: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):

@@ -2,7 +2,7 @@
 
 kernel.py writes them for Pallas Triton; these are their Mosaic GPU ("plgpu") twins. They take
 the same `Prepared` inputs (the "gpu" layout) and return what `chunk_states` / `chunk_outputs`
-return, so `kernel.forward` / `kernel.backward` take them instead on an sm_90 GPU when the inputs
+return, so `pallas.forward` / `pallas.backward` take them instead on an sm_90 GPU when the inputs
 suit them and XLA runs custom calls outside its CUDA graphs (`use_mosaic_gpu`): chunk_out
 measured 0.66-0.78x the Triton kernel's time on an H100, chunk_state level (BENCHMARKS.md,
 bench/ssd_mosaic_gpu.py).
@@ -19,7 +19,7 @@ once per program instead of once per head, while the next head's x and state are
     chunk_out: per (b, c, block of heads, 128 target rows): two compute warpgroups of 64 rows.
         y_s = sum_{t<=s} (C_s.B_t) L[s, t] dt_t x_t + w_out[s] C_s H^T + D x_s, with C_s.B_t
         computed in the kernel by wgmma (fp32; kernel.py reads it rounded to bf16 from XLA)
-        and the causal / same-document mask and decay applied in registers as in tiles.py.
+        and the causal / same-document mask and decay applied in registers as in kernel.py.
 
 Only 16-bit matmul inputs: fp32 wgmma means tf32 (10-bit mantissa, far outside the fp32
 tolerance the Triton kernels meet) and requires both operands contiguous along the contracted
@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..backend import custom_calls_in_cuda_graphs
-from .tiles import F32
+from .kernel import F32
 
 ROWS = 64  # rows of one wgmma tile (one warpgroup); also the source tile of chunk_out
 SWIZZLE = 128  # bytes: the widest swizzle, so rows of >= 64 bf16 elements tile as (8, 64)
@@ -452,7 +452,7 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
                     same_doc = seq_s == lax.broadcast_in_dim(seq_t, (ROWS, ROWS), [1])
                     keep = same_doc & (pos_t + j * ROWS <= pos_s + i * ROWS)
                     log_decay = cs_s - lax.broadcast_in_dim(cs_t, (ROWS, ROWS), [1])
-                    # exp never sees the masked (possibly huge) values (tiles.masked_exp).
+                    # exp never sees the masked (possibly huge) values (kernel.masked_exp).
                     decay = jnp.exp(jnp.where(keep, log_decay, 0.0))
                     weights = cb_st * decay * lax.broadcast_in_dim(dt_t, (ROWS, ROWS), [1])
                     scores_st = jnp.where(keep, weights, 0.0).astype(dtype)

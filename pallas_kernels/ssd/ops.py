@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from .. import backend
 from ..checks import check_float, check_shape
-from . import kernel
+from . import pallas
 from .chunked import ssd_chunked
 from .reference import ssd_reference, ssd_sequential
 from .tiling import resolve_block_sizes
@@ -66,7 +66,7 @@ def _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant):
 def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes,
                 interpret):  # fmt: skip
     """(y, final state) by the Pallas kernels, differentiable through the hand-written backward."""
-    y, final, _ = kernel.forward(
+    y, final, _ = pallas.forward(
         x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
         sizes=sizes, interpret=interpret,
     )  # fmt: skip
@@ -75,7 +75,7 @@ def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, 
 
 def _ssd_pallas_fwd(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes,
                     interpret):  # fmt: skip
-    y, final, h_in = kernel.forward(
+    y, final, h_in = pallas.forward(
         x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
         sizes=sizes, interpret=interpret,
     )  # fmt: skip
@@ -85,7 +85,7 @@ def _ssd_pallas_fwd(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, varia
 def _ssd_pallas_bwd(chunk_size, variant, sizes, interpret, residuals, cotangents):
     x, dt, A, B, C, D, initial_state, seq_idx, h_in = residuals
     dy, dfinal = cotangents
-    dx, ddt, dA, dB, dC, dD, dh0 = kernel.backward(
+    dx, ddt, dA, dB, dC, dD, dh0 = pallas.backward(
         x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, chunk_size=chunk_size,
         variant=variant, sizes=sizes, interpret=interpret,
     )  # fmt: skip

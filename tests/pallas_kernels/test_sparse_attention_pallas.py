@@ -12,7 +12,7 @@ from kernel_checks import COMPILED, assert_close
 
 from pallas_kernels.backend import lower_for
 from pallas_kernels.sparse_attention import sparse_attention
-from pallas_kernels.sparse_attention.layout import lsh_layout, tile_schedule
+from pallas_kernels.sparse_attention.tiling import lsh_layout, tile_schedule
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # Forward and gradient tolerances per input dtype. bf16: outputs and gradients are rounded to

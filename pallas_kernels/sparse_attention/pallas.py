@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from . import kernel
-from .layout import EMPTY_POS, KsLayout, LshLayout, Schedule, ks_layout, lsh_layout, tile_schedule
 from .reference import running_buckets
+from .tiling import EMPTY_POS, KsLayout, LshLayout, Schedule, ks_layout, lsh_layout, tile_schedule
 
 SUPPORTED_PATTERNS = ("lsh", "ks", "lsh+ks")
 F32 = jnp.float32
