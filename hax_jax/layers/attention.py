@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import torch_linear_init
+from hax_jax.layers import init
 from hax_jax.layers.rope import apply_rope
 from hax_jax.parallel import SEQ, from_last_shard, from_previous_shard, per_device, seq_shards
-from hax_jax.sharding import linear_axes
 
 HEADS = ("batch", "seq", "heads", None)  # q, k, v, o: (b, l, h, head_dim)
 HISTORY = ("batch", None, "heads", None)  # a window's history: (b, window - 1, h, head_dim)
@@ -84,25 +83,14 @@ class Attention(nnx.Module):
         self.scale = 1.0 / math.sqrt(hd)
         self.kind = "attention" if window is None else "swa"
 
-        def linear(i, o, axes, bias, scale=1.0):
-            init = torch_linear_init(i, scale)
-            return nnx.Linear(
-                i,
-                o,
-                use_bias=bias,
-                dtype=self.dtype,
-                kernel_init=init,
-                rngs=rngs,
-                **linear_axes(*axes),
-            )
-
+        linear = functools.partial(init.linear, rngs=rngs, dtype=self.dtype)
         # Heads split over "tensor" (the flattened h * head_dim axis, head-aligned when the tensor
         # size divides n_heads); one all-reduce after o_proj.
-        self.q_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
-        self.k_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
-        self.v_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
+        self.q_proj = linear(d, h * hd, ("embed", "heads"), use_bias=a.qkv_bias)
+        self.k_proj = linear(d, h * hd, ("embed", "heads"), use_bias=a.qkv_bias)
+        self.v_proj = linear(d, h * hd, ("embed", "heads"), use_bias=a.qkv_bias)
         # Scaled by 1/sqrt(n_layer), as mamba's out_proj (rescale_prenorm_residual).
-        self.o_proj = linear(h * hd, d, ("heads", "embed"), False, scale=1 / math.sqrt(cfg.n_layer))
+        self.o_proj = linear(h * hd, d, ("heads", "embed"), scale=1 / math.sqrt(cfg.n_layer))
 
     def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> KVCache:
         """The empty cache: `capacity` slots for full attention, window - 1 for a sliding window."""

@@ -1,22 +1,12 @@
 """Depthwise causal conv1d over (b, l, c), with its window as explicit state."""
 
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hax_jax.layers.init import torch_linear_init
 from hax_jax.parallel import from_last_shard, from_previous_shard, per_device, seq_shards
-
-
-def torch_linear_init(fan_in: int, scale: float = 1.0):
-    """PyTorch's default Linear/Conv init, U(+-1/sqrt(fan_in)), optionally scaled (mamba_ssm keeps it)."""
-    bound = scale / math.sqrt(fan_in)
-
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-    return init
 
 
 class CausalConv1d(nnx.Module):

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.layers.conv import conv_shard, torch_linear_init
+from hax_jax.layers.conv import conv_shard
+from hax_jax.layers.init import torch_linear_init
 from hax_jax.parallel import per_device
 
 

@@ -15,9 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import ModelConfig
-from hax_jax.layers.conv import torch_linear_init
+from hax_jax.layers import init
 from hax_jax.parallel import per_device, sequence_cumsum, sparse_attention_sequence_parallel
-from hax_jax.sharding import linear_axes
 from pallas_kernels.sparse_attention import (
     SparseAttentionCache,
     init_cache,
@@ -79,21 +78,15 @@ class KeyScorer(nnx.Module):
     """s_j = MLP([k_j, normalize(sum_{p<=j} q_p)]): 2N -> 2N -> 2N -> 1 with ReLU (paper §4.2)."""
 
     def __init__(self, d_state: int, *, rngs: nnx.Rngs):
-        def linear(i, o, out_axis="state"):
-            return nnx.Linear(
-                i,
-                o,
-                kernel_init=torch_linear_init(i),
-                bias_init=torch_linear_init(i),
-                rngs=rngs,
-                **linear_axes("state", out_axis),
-            )
-
-        # Small (2N wide): replicated.
+        # Small (2N wide): replicated; biased, both inits PyTorch's, computed in fp32.
+        width = 2 * d_state
+        linear = functools.partial(
+            init.linear, width, rngs=rngs, use_bias=True, bias_init=init.torch_linear_init(width)
+        )
         self.fc1, self.fc2, self.fc3 = (
-            linear(2 * d_state, 2 * d_state),
-            linear(2 * d_state, 2 * d_state),
-            linear(2 * d_state, 1, None),
+            linear(width, ("state", "state")),
+            linear(width, ("state", "state")),
+            linear(1, ("state", None)),
         )
 
     def __call__(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
@@ -112,14 +105,8 @@ class HaxBranch(nnx.Module):
         self.cfg, self.spec = cfg.sparse, cfg.sparse.spec
         self.d_state, self.d_inner = d_state, d_inner
         # q/k contract the split d_inner: one more all-reduce under tensor parallelism (SPEC §3).
-        self.qk_proj = nnx.Linear(
-            d_inner,
-            2 * d_state,
-            use_bias=False,
-            dtype=jnp.dtype(cfg.dtype),
-            kernel_init=torch_linear_init(d_inner),
-            rngs=rngs,
-            **linear_axes("inner", "state"),
+        self.qk_proj = init.linear(
+            d_inner, 2 * d_state, ("inner", "state"), rngs=rngs, dtype=jnp.dtype(cfg.dtype)
         )
         self.E = nnx.Param(jnp.ones((d_inner,), jnp.float32), logical_axes=("inner",))
         self.scorer = KeyScorer(d_state, rngs=rngs) if self.spec.has("ks") else None
@@ -245,6 +232,14 @@ class HaxBranch(nnx.Module):
 
         cache, o_lbe = jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
         return jnp.moveaxis(o_lbe, 0, 1), cache
+
+
+
+def sparse_branch(cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
+    """The HAX sparse-attention branch when cfg.sparse.pattern is set, else None."""
+    return (
+        HaxBranch(cfg, d_inner=d_inner, d_state=d_state, rngs=rngs) if cfg.sparse.pattern else None
+    )
 
 
 def _is_fresh(cache: SparseAttentionCache) -> bool:

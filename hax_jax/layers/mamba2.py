@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.fused import (
     FusedConv1d,
     FusedLinear,
@@ -20,11 +19,10 @@ from hax_jax.layers.fused import (
     fused_linear,
     unfuse,
 )
-from hax_jax.layers.hax_attention import SparseAttentionCache
-from hax_jax.layers.mamba import dt_bias_init, sparse_branch
+from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
+from hax_jax.layers.init import dt_bias_init, linear
 from hax_jax.layers.norms import GatedRMSNorm
 from hax_jax.parallel import per_device, ssd_head_and_group_names, ssd_sequence_parallel
-from hax_jax.sharding import linear_axes
 
 XBC = ("x", "B", "C")  # the conv's parts, contiguous in in_proj's output
 
@@ -56,18 +54,6 @@ class Mamba2Mixer(nnx.Module):
             m.dt_limit,
         )
 
-        def linear(i, o, axes, scale=1.0):
-            init = torch_linear_init(i, scale)
-            return nnx.Linear(
-                i,
-                o,
-                use_bias=m.bias,
-                dtype=dtype,
-                kernel_init=init,
-                rngs=rngs,
-                **linear_axes(*axes),
-            )
-
         # Tensor parallelism (Mamba-2 paper §8.1): a device holds z, x, dt of its heads and B, C of
         # its groups (one group is replicated: every head reads it), so in_proj and the conv need no
         # communication; out_proj contracts the split d_inner: the block's one all-reduce.
@@ -93,7 +79,10 @@ class Mamba2Mixer(nnx.Module):
         self.D = nnx.Param(jnp.ones((h,), jnp.float32), logical_axes=("heads",))
         self.norm = GatedRMSNorm(e, group_size=e // g, eps=cfg.norm_eps)
         # rescale_prenorm_residual
-        self.out_proj = linear(e, d, ("inner", "embed"), scale=1 / math.sqrt(cfg.n_layer))
+        self.out_proj = linear(
+            e, d, ("inner", "embed"), rngs=rngs, dtype=dtype, use_bias=m.bias,
+            scale=1 / math.sqrt(cfg.n_layer),
+        )  # fmt: skip
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
     def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> Mamba2Cache:
