@@ -1,5 +1,7 @@
-"""Pretrained-model directories: `config.json` (our ModelConfig) beside an orbax tree of parameters."""
+"""Pretrained-model directories: `config.json` (our ModelConfig) beside an orbax tree of parameters;
+training checkpoints; and the model surgery of loading a pretrained model into a larger one."""
 
+import math
 from pathlib import Path
 
 import grain  # also registers grain's orbax handler for data iterators
@@ -9,6 +11,7 @@ from flax import nnx
 
 from hax_jax import config as config_lib
 from hax_jax.config import ModelConfig
+from hax_jax.layers.hax_attention import init_qk_from_bc
 from hax_jax.models.lm import LanguageModel
 
 CONFIG_FILE = "config.json"
@@ -223,6 +226,34 @@ def restore_params(path: str | Path, target: dict) -> dict:
             )
         partial = _keep_paths(target, set(saved))
         return ckptr.restore(path / PARAMS_DIR, partial)
+
+
+def init_from(path: str | Path, params: dict, target: dict, model: ModelConfig) -> dict:
+    """`params` (fresh) with a pretrained directory's parameters put in (`restore_params` into
+    `target`, their abstract twin); a Mamba-1 layer's new HAX branch gets its q/k projection from
+    the SSM's B / C."""
+    loaded = restore_params(path, target)
+    return _qk_from_bc(_overlay(params, loaded), loaded, model)
+
+
+def _qk_from_bc(params: dict, loaded: dict, model: ModelConfig) -> dict:
+    """Mamba-1 layers given a new HAX branch: its q/k projection from x_proj's C / B (HAX App. D.2)."""
+    dt_rank = model.mamba.dt_rank or math.ceil(model.d_model / 16)
+    for key, layer in params["layers"].items():
+        mixer, had = layer["mixer"], loaded.get("layers", {}).get(key, {}).get("mixer", {})
+        if "x_proj" in mixer and "branch" in mixer and "branch" not in had:
+            mixer["branch"]["qk_proj"]["kernel"] = init_qk_from_bc(
+                mixer["x_proj"]["kernel"], dt_rank=dt_rank, d_state=model.mamba.d_state
+            )
+    return params
+
+
+def _overlay(base: dict, top: dict) -> dict:
+    """`base` with the leaves of `top` (a sub-tree of it) put in."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _overlay(base[key], value) if isinstance(value, dict) else value
+    return out
 
 
 def _saved_shapes(ckptr, directory: Path) -> dict[str, tuple]:

@@ -5,7 +5,6 @@ graphdef inside the step. A run's fresh (or `init_from`) parameters and its stat
 here too; I/O, logging and the loop live in train.py.
 """
 
-import math
 from typing import Any
 
 import flax.struct
@@ -18,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from hax_jax import checkpoint, optim
 from hax_jax import config as config_lib
-from hax_jax.layers.hax_attention import init_qk_from_bc
 from hax_jax.loss import chunk_count, token_nll_chunked
 from hax_jax.models.lm import LanguageModel, rank_loss_sum
 
@@ -137,28 +135,7 @@ def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
     )
-    loaded = checkpoint.restore_params(cfg.train.init_from, target)
-    return _qk_from_bc(_overlay(params, loaded), loaded, cfg.model)
-
-
-def _qk_from_bc(params: dict, loaded: dict, model: config_lib.ModelConfig) -> dict:
-    """Mamba-1 layers given a new HAX branch: its q/k projection from x_proj's C / B (HAX App. D.2)."""
-    dt_rank = model.mamba.dt_rank or math.ceil(model.d_model / 16)
-    for key, layer in params["layers"].items():
-        mixer, had = layer["mixer"], loaded.get("layers", {}).get(key, {}).get("mixer", {})
-        if "x_proj" in mixer and "branch" in mixer and "branch" not in had:
-            mixer["branch"]["qk_proj"]["kernel"] = init_qk_from_bc(
-                mixer["x_proj"]["kernel"], dt_rank=dt_rank, d_state=model.mamba.d_state
-            )
-    return params
-
-
-def _overlay(base: dict, top: dict) -> dict:
-    """`base` with the leaves of `top` (a sub-tree of it) put in."""
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _overlay(base[key], value) if isinstance(value, dict) else value
-    return out
+    return checkpoint.init_from(cfg.train.init_from, params, target, cfg.model)
 
 
 def state_shardings(state_shape, param_shardings: dict, tx, mesh):

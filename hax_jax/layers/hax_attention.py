@@ -166,7 +166,8 @@ class HaxBranch(nnx.Module):
         return ranking_loss(scores, q, k, candidates, mask)
 
     def forward(self, x: jax.Array, cache, *, mask=None, rng=None):
-        """Parallel mode inside a mixer, x (b, l, e) -> (o * E, the sparse cache or None).
+        """Parallel mode inside a mixer, x (b, l, e) and the mixer's cache (or None) -> (o * E, the
+        sparse cache or None).
 
         Without a cache: the sub-quadratic op (training). From a fresh cache (t concretely 0, as
         an init_cache made inside the jit has): `prefill`, the same op in eval mode plus the cache
@@ -210,8 +211,13 @@ class HaxBranch(nnx.Module):
         """An empty decode cache holding up to `capacity` tokens."""
         return init_cache(batch, capacity, self.d_state, self.d_inner, spec=self.spec, dtype=dtype)
 
-    def step(self, x: jax.Array, cache: SparseAttentionCache):
-        """Recurrent mode: x (b, e) -> (o * E (b, e), cache); O(num_keys * (N + e)) per token."""
+    def step(self, x: jax.Array, cache):
+        """Recurrent mode inside a mixer, x (b, e) and the mixer's cache (as `forward` takes it) ->
+        (o * E (b, e), the sparse cache); O(num_keys * (N + e)) per token."""
+        return self._step(x, self.decode_cache(cache))
+
+    def _step(self, x: jax.Array, cache: SparseAttentionCache):
+        """One token against the branch's own cache -> (o * E (b, e), the cache after it)."""
         if self.cfg.official_code:
             raise ValueError("sparse.official_code=True is non-causal and has no step mode")
         q, k = self._qk(x)
@@ -227,7 +233,7 @@ class HaxBranch(nnx.Module):
         """Prefill from a cache: the step over every token of x (b, l, e), as one lax.scan."""
 
         def body(cache, x_t):
-            o_t, cache = self.step(x_t, cache)
+            o_t, cache = self._step(x_t, cache)
             return cache, o_t
 
         cache, o_lbe = jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))

@@ -154,7 +154,7 @@ class MambaMixer(nnx.Module):
         y = jnp.einsum("ben,bn->be", h, C.astype(jnp.float32)) + self.D[...] * x32
         sparse_cache = None
         if self.branch is not None:
-            o, sparse_cache = self.branch.step(x, self.branch.decode_cache(cache))
+            o, sparse_cache = self.branch.step(x, cache)
             y = y + o.astype(jnp.float32)
         y = y * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h, sparse_cache)

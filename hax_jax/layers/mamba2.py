@@ -179,9 +179,7 @@ class Mamba2Mixer(nnx.Module):
         y = y.reshape(u.shape[0], self.d_inner)
         sparse_cache = None
         if self.branch is not None:
-            o, sparse_cache = self.branch.step(
-                x.reshape(u.shape[0], self.d_inner), self.branch.decode_cache(cache)
-            )
+            o, sparse_cache = self.branch.step(x.reshape(u.shape[0], self.d_inner), cache)
             y = y + o.astype(jnp.float32)
         y = self.norm(y, z)
         return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, h, sparse_cache)
