@@ -20,12 +20,11 @@ from pathlib import Path
 
 from hax_jax import checkpoint
 from hax_jax import config as config_lib
-from hax_jax.data import ruler as ruler_data
 from hax_jax.data import text
-from hax_jax.evals import heldout, longbench, ruler, text_model
+from hax_jax.evals import heldout, longbench, ruler, ruler_tasks, text_model
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
-RULER_TASKS = tuple(ruler_data.TASKS)
+RULER_TASKS = tuple(ruler_tasks.TASKS)
 TEXT_TASKS = (*RULER_TASKS, "ruler", "longbench")  # tasks that need a tokenizer
 
 

@@ -27,7 +27,7 @@ from hax_jax.generate import generate
 from hax_jax.models.lm import LanguageModel
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"mamba2_130m": "configs/mamba2_130m.py", "hax_mamba2_130m": "configs/hax_130m.py"}
+MODELS = {"mamba2_130m": "configs/released.py:mamba2_130m", "hax_mamba2_130m": "configs/hax_130m.py"}
 
 
 def best_time(fn, repeats: int) -> float:

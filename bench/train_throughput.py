@@ -46,8 +46,8 @@ CASES = {
     ],
     "lm_hax_mamba2_130m_64k": ["configs/hax_130m.py", "data.batch_size=1", "data.seq_len=65536"],
     # The released Mamba-2 1.3B / 2.7B architectures, as LMs on 2048-token rows (tensor=2: issue 18).
-    "lm_mamba2_1_3b": ["configs/mamba2_1_3b.py", *BIG_LM, *LM],
-    "lm_mamba2_2_7b": ["configs/mamba2_2_7b.py", *BIG_LM, *LM],
+    "lm_mamba2_1_3b": ["configs/released.py:mamba2_1_3b", *BIG_LM, *LM],
+    "lm_mamba2_2_7b": ["configs/released.py:mamba2_2_7b", *BIG_LM, *LM],
     # The same models on the pure-JAX paths (impl="auto" takes the Pallas kernels on a GPU).
     "lm_mamba2_130m_purejax": [
         "configs/hax_130m.py",

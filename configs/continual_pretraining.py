@@ -18,7 +18,7 @@ def get_config(size: str = "130m"):
     """Mamba + lsh+ks (64 keys); 200 steps at lr 0, 800 of warmup, cosine to 1e-5; batch 64 x 2K."""
     if size not in PEAK_LR:
         raise ValueError(f"unknown size {size!r}; known: {tuple(PEAK_LR)}")
-    cfg = load_config_file(Path(__file__).with_name(f"mamba_{size}.py"))
+    cfg = load_config_file(f"{Path(__file__).with_name('released.py')}:mamba_{size}")
     model = dataclasses.replace(
         cfg.model,
         dtype="bfloat16",

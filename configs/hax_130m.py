@@ -11,8 +11,8 @@ from hax_jax.config import DataConfig, OptimConfig, SparseConfig, TrainConfig, l
 
 
 def get_config():
-    """mamba2_130m + SparseConfig(lsh+ks, 64 keys); AdamW (0.9, 0.95), WD 0.1, cosine to 1e-5."""
-    cfg = load_config_file(Path(__file__).with_name("mamba2_130m.py"))
+    """released.py:mamba2_130m + SparseConfig(lsh+ks, 64 keys); AdamW (0.9, 0.95), WD 0.1, cosine to 1e-5."""
+    cfg = load_config_file(f"{Path(__file__).with_name('released.py')}:mamba2_130m")
     model = dataclasses.replace(
         cfg.model,
         dtype="bfloat16",
