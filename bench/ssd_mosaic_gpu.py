@@ -11,14 +11,13 @@ the two kernels' outputs, and with --profile the kernels' own GPU times.
 """
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 
 from bench.ssd_kernel import CHUNK, FWD_BWD, make_inputs
-from bench.timing import kernel_times_us, median_ms, pipelined_ms
+from bench.timing import emit, kernel_summary_us, median_ms, pipelined_ms, write_rows
 from pallas_kernels.ssd import kernel as triton
 from pallas_kernels.ssd import kernel_mgpu as mgpu
 from pallas_kernels.ssd import pallas
@@ -76,20 +75,15 @@ def main():
                 row[f"{backend}_ms"] = median_ms(call, args.reps, sync)
                 row[f"{backend}_pipelined_ms"] = pipelined_ms(call, args.reps, sync)
                 if args.profile:
-                    row[f"{backend}_kernels_us"] = {
-                        k: round(v, 1) for k, v in kernel_times_us(call).items() if v >= 1.0
-                    }
+                    row[f"{backend}_kernels_us"] = kernel_summary_us(call)
             row["max_abs_diff"] = float(jnp.max(jnp.abs(outs[0] - outs[1])))
             row["max_abs_triton"] = float(jnp.max(jnp.abs(outs[0])))
             row["ratio_mosaic_gpu_vs_triton"] = row["mosaic_gpu_ms"] / row["triton_ms"]
             row["pipelined_ratio_mosaic_gpu_vs_triton"] = (
                 row["mosaic_gpu_pipelined_ms"] / row["triton_pipelined_ms"]
             )
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+            emit(rows, row)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from tiny_runs import TINY_JOINT_RECALL
 
 import hax_jax
 from hax_jax import config as config_lib
@@ -29,13 +30,7 @@ SMALL = [
     "model.d_model=32",
     "model.mamba2.headdim=16",
     "model.mamba2.d_state=16",
-    "data.batch_size=8",
-    "data.joint_recall.max_n_context=2",
-    "data.joint_recall.max_n_key=2",
-    "data.joint_recall.n_context=(1,2)",
-    "data.joint_recall.n_key=(1,2)",
-    "data.joint_recall.valid_size=16",
-    "model.sparse.max_len=38",
+    *TINY_JOINT_RECALL,
     "model.sparse.num_keys=8",
     "train.progress=false",
     "optim.warmup_steps=5",
