@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from .tiling import Loader, Specs
+from .tiling import Loader, Specs, ks_specs
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -383,25 +383,6 @@ def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
     return dq_parts, dk_parts, dv
 
 
-def _ks_specs(sp, bq, kcp, n, width, col):
-    """Specs of q, k, v, prefix k, prefix v and the six selection arrays of a ks block (v
-    columns `width` wide at column block col(*grid))."""
-    row = lambda *g: (g[0], 0)  # noqa: E731
-    return [
-        sp.rows(bq, n, row),
-        sp.rows(bq, n, row),
-        sp.rows(bq, width, lambda *g: (g[0], col(*g))),
-        sp.slab((kcp, n), lambda *g: (g[0], 0, 0)),
-        sp.slab((kcp, width), lambda *g: (g[0], 0, col(*g))),
-        sp.slab((3, kcp), lambda *g: (g[0], 0, 0)),
-        sp.slab((1, kcp), lambda *g: (g[0], 0, 0)),
-        sp.slab((2, bq), lambda *g: (g[0], 0, 0)),
-        sp.slab((1, bq), lambda *g: (g[0], 0, 0)),
-        sp.rows(bq, 3, row),
-        sp.rows(bq, 1, row),
-    ]
-
-
 def ks_forward(q, k, v, ks_args, init, *, out_dtype, cfg):
     """The ks pass in position order, continuing from init = (o_lsh, lse_lsh) or None:
     (o (b, L, e) in out_dtype, lse (b, L, 1))."""
@@ -410,7 +391,7 @@ def ks_forward(q, k, v, ks_args, init, *, out_dtype, cfg):
     bq, be = blocks.block_q, blocks.block_e
     kcp = ks_args[0].shape[2]
     sp = Specs(variant)
-    in_specs = _ks_specs(sp, bq, kcp, n, be, lambda c, j: j)
+    in_specs = ks_specs(sp, bq, kcp, n, be, lambda c, j: j)
     out_specs = [sp.rows(bq, be, lambda c, j: (c, j)), sp.rows(bq, 1, lambda c, j: (c, 0))]
     init = init or ()
     in_specs += out_specs[: len(init)]
@@ -432,7 +413,7 @@ def ks_backward(q, k, v, ks_args, lse, delta, do, *, cfg):
     sp = Specs(variant)
     nblocks = length // bq
     column = sp.rows(bq, 1, lambda c: (c, 0))
-    in_specs = _ks_specs(sp, bq, kcp, n, e, lambda c: 0)
+    in_specs = ks_specs(sp, bq, kcp, n, e, lambda c: 0)
     in_specs += [column, column, sp.rows(bq, e, lambda c: (c, 0))]
     out_specs = [sp.rows(bq, n, lambda c: (c, 0)), sp.rows(bq, n, lambda c: (c, 0))]
     out_specs += [sp.rows(bq, e, lambda c: (c, 0))]

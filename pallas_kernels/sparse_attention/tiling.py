@@ -357,3 +357,22 @@ class Loader:
 
         jax.lax.fori_loop(0, size, start, 0)
         jax.lax.fori_loop(0, size, wait, 0)
+
+
+def ks_specs(sp, bq, kcp, n, width, col):
+    """Specs of q, k, v, prefix k, prefix v and the six selection arrays of a ks block (v
+    columns `width` wide at column block col(*grid))."""
+    row = lambda *g: (g[0], 0)  # noqa: E731
+    return [
+        sp.rows(bq, n, row),
+        sp.rows(bq, n, row),
+        sp.rows(bq, width, lambda *g: (g[0], col(*g))),
+        sp.slab((kcp, n), lambda *g: (g[0], 0, 0)),
+        sp.slab((kcp, width), lambda *g: (g[0], 0, col(*g))),
+        sp.slab((3, kcp), lambda *g: (g[0], 0, 0)),
+        sp.slab((1, kcp), lambda *g: (g[0], 0, 0)),
+        sp.slab((2, bq), lambda *g: (g[0], 0, 0)),
+        sp.slab((1, bq), lambda *g: (g[0], 0, 0)),
+        sp.rows(bq, 3, row),
+        sp.rows(bq, 1, row),
+    ]

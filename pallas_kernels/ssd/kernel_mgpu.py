@@ -36,7 +36,6 @@ the CPUs, or by NPROC if set before jax starts; tests/conftest.py sets it).
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,43 +43,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..backend import custom_calls_in_cuda_graphs
+from ..backend import custom_calls_in_cuda_graphs, mosaic_gpu_interpret_params
 from .kernel import F32
 
 ROWS = 64  # rows of one wgmma tile (one warpgroup); also the source tile of chunk_out
 SWIZZLE = 128  # bytes: the widest swizzle, so rows of >= 64 bf16 elements tile as (8, 64)
 _MM_DTYPES = (jnp.bfloat16, jnp.float16)
 _SMEM_BYTES = 227 * 1024  # an H100's shared memory per block (opt-in maximum)
-
-
-def _interpret_params(interpret, num_threads):
-    """The `interpret=` argument of plgpu.kernel: Mosaic GPU's interpreter on a CPU (or when
-    forced with True), else compiled. RuntimeError if the interpreter would deadlock."""
-    if interpret is None:
-        interpret = jax.default_backend() not in ("gpu", "cuda")
-    if not interpret:
-        return None
-    # One thread per warpgroup, plus the one running the computation that called the kernel.
-    needed, cpu_threads = num_threads + 1, _xla_cpu_threads()
-    if cpu_threads < needed:
-        raise RuntimeError(
-            f"Mosaic GPU's interpreter runs this kernel's {num_threads} warpgroups on the XLA CPU "
-            f"client's {cpu_threads} threads and would wait forever on its barriers; start the "
-            f"process with NPROC={needed} (or more) in the environment"
-        )
-    params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
-    if params is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
-
-
-def _xla_cpu_threads():
-    """Threads of XLA's CPU client pool, which runs the interpreter's callbacks: NPROC if set
-    (read when jax starts its CPU backend), else the CPUs this process may use."""
-    nproc = os.environ.get("NPROC", "")
-    if nproc.isdigit():
-        return int(nproc)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _smem(shape, dtype):
@@ -246,7 +215,7 @@ def chunk_states_mgpu(prep, x, w_bhck, B, *, interpret=None):
     if B.dtype != dtype:
         raise ValueError(f"chunk_states_mgpu: x and B dtypes differ: {dtype} vs {B.dtype}")
     slots = 2  # x / w buffers: the next head loads while this one computes
-    params = _interpret_params(interpret, num_threads=2)
+    params = mosaic_gpu_interpret_params(interpret, num_threads=2)
     ops = _Ops(params is not None)
     smem = [
         _smem((k, n), dtype),  # B of the chunk's group
@@ -366,7 +335,7 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
         raise ValueError(f"chunk_outputs_mgpu: h_in must be {dtype}, got {h_in.dtype}")
     halves = k // (2 * ROWS)  # programs per chunk: 128 target rows each, 64 per warpgroup
     slots = 2
-    params = _interpret_params(interpret, num_threads=3)
+    params = mosaic_gpu_interpret_params(interpret, num_threads=3)
     ops = _Ops(params is not None)
     smem = [
         _smem((2 * ROWS, n), dtype),  # C of this program's target rows
