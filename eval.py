@@ -1,10 +1,15 @@
-"""Evaluates a model: `python eval.py WORKDIR_OR_CHECKPOINT --tasks t1,t2,... [options] [data.key=value ...]`.
+"""Evaluates a model: `python eval.py WORKDIR_OR_CHECKPOINT --tasks t1,t2,... [options]
+[data.key=value ...]`.
 
 Tasks:
-  joint_recall, mqar          held-out split (--split valid|test) of the synthetic task; the run's data
-                              settings, changed by data.* overrides (e.g. data.joint_recall.n_context=4)
-  niah_single_1 ... qa, ruler RULER-style tasks at --lengths tokens (ruler = all; qa needs --qa FILE),
-                              greedy decoding, RULER's scores; --haystack FILE for the essay haystacks
+  joint_recall, mqar          held-out split (--split valid|test) of the synthetic task; the run's
+  data
+                              settings, changed by data.* overrides (e.g.
+                              data.joint_recall.n_context=4)
+  niah_single_1 ... qa, ruler RULER-style tasks at --lengths tokens (ruler = all; qa needs --qa
+  FILE),
+                              greedy decoding, RULER's scores; --haystack FILE for the essay
+                              haystacks
   perplexity                  exp(mean NLL) over --data (a .npy/.bin token file or text) in rows of
                               --lengths tokens
   longbench                   LongBench-format JSONL files (--longbench F1,F2), their metrics

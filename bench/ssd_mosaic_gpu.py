@@ -70,7 +70,7 @@ def main():
             row, outs = dict(shape=shape, kernel=name), []
             for backend, impl in zip(("triton", "mosaic_gpu"), impls, strict=True):
                 fn = case(name, impl, sizes, h_in)
-                call = lambda fn=fn: fn(*arrays)  # noqa: E731
+                call = lambda fn=fn, arrays=arrays: fn(*arrays)  # noqa: E731
                 outs.append(sync(call()).astype(jnp.float32))
                 row[f"{backend}_ms"] = median_ms(call, args.reps, sync)
                 row[f"{backend}_pipelined_ms"] = pipelined_ms(call, args.reps, sync)

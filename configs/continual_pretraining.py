@@ -1,9 +1,10 @@
 """HAX continual pre-training of a released Mamba (HAX paper §5.2, App. D.2).
 
 Convert the checkpoint first (`python -m hax_jax.convert mamba-130m-hf out/mamba-130m`), then
-`python train.py configs/continual_pretraining.py train.init_from=out/mamba-130m data.path=tokens.bin`.
-`configs/continual_pretraining.py:790m` gives the 790M model and its peak lr. Every parameter of the
-checkpoint is loaded; the new HAX branch starts from its init, its q/k projections from the SSM's B/C.
+`python train.py configs/continual_pretraining.py train.init_from=out/mamba-130m
+data.path=tokens.bin`. `configs/continual_pretraining.py:790m` gives the 790M model and its peak lr.
+Every parameter of the checkpoint is loaded; the new HAX branch starts from its init, its q/k
+projections from the SSM's B/C.
 """
 
 import dataclasses

@@ -137,7 +137,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """The device mesh ("data", "seq", "tensor"); at most one size may be -1 (= the devices left)."""
+    """The device mesh ("data", "seq", "tensor"); at most one size may be -1 (= the devices
+    left)."""
 
     data: int = -1  # batch sharding
     seq: int = 1  # sequence sharding of activations
@@ -302,7 +303,8 @@ def to_dict(cfg: Any) -> dict:
 
 
 def from_dict(cls: type, data: dict, *, where: str = "") -> Any:
-    """Builds dataclass `cls` from a nested dict (as written by `to_dict`); unknown keys are errors."""
+    """Builds dataclass `cls` from a nested dict (as written by `to_dict`); unknown keys are
+    errors."""
     hints = typing.get_type_hints(cls)
     unknown = set(data) - set(hints)
     if unknown:
@@ -344,7 +346,8 @@ def migrate_dict(data: dict) -> dict:
 
 
 def load_json(cls: type, path: str | Path) -> Any:
-    """Reads a config written by `save_json`; a damaged file is an error naming it, not a traceback."""
+    """Reads a config written by `save_json`; a damaged file is an error naming it, not a
+    traceback."""
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
@@ -353,14 +356,16 @@ def load_json(cls: type, path: str | Path) -> Any:
 
 
 def load_config_file(spec: str | Path) -> Config:
-    """Runs `configs/<name>.py` and returns its `get_config()`; `configs/<name>.py:<arg>` passes `arg`."""
+    """Runs `configs/<name>.py` and returns its `get_config()`; `configs/<name>.py:<arg>` passes
+    `arg`."""
     path_text, _, arg = str(spec).partition(".py:")
     module = load_config_module(path_text + ".py" if arg else spec)
     return module.get_config(arg) if arg else module.get_config()
 
 
 def load_config_module(path: str | Path) -> types.ModuleType:
-    """The module of a config file (its get_config(), and a grid's VARIANTS); errors name the file."""
+    """The module of a config file (its get_config(), and a grid's VARIANTS); errors name the
+    file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")

@@ -11,8 +11,8 @@ from typing import Literal
 from pallas_kernels.sparse_attention import SparseSpec
 
 MIXER_KINDS = ("mamba", "mamba2", "attention", "swa", "mlp", "infini")
-# Tokens a decode cache holds unless init_cache is asked for more (full attention's KV buffer and the
-# sparse branch's key/value buffers grow with it; SSM states, windows and memories do not).
+# Tokens a decode cache holds unless init_cache is asked for more (full attention's KV buffer and
+# the sparse branch's key/value buffers grow with it; SSM states, windows and memories do not).
 DEFAULT_CAPACITY = 4096
 # remat="auto" recomputes every block in the backward for rows of at least this many tokens. The
 # 130M step at 1 x 32768 tokens held 35 GiB on one GPU (ENV.md; ~1.1 MB a token, mostly saved
@@ -192,7 +192,8 @@ class ModelConfig:
                 )
             if (d_inner // m2.headdim) % m2.ngroups:
                 raise ValueError(
-                    f"n_heads={d_inner // m2.headdim} must be a multiple of mamba2.ngroups={m2.ngroups}"
+                    f"n_heads={d_inner // m2.headdim} must be a multiple of "
+                    f"mamba2.ngroups={m2.ngroups}"
                 )
 
     @property

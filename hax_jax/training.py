@@ -1,8 +1,8 @@
 """The pure parts of training: the state, the loss, one optimizer step, one evaluation step.
 
-Only pytrees of arrays cross `jit`: parameters travel as a pure dict and are merged with the model's static
-graphdef inside the step. A run's fresh (or `init_from`) parameters and its state's shardings are
-here too; I/O, logging and the loop live in train.py.
+Only pytrees of arrays cross `jit`: parameters travel as a pure dict and are merged with the model's
+static graphdef inside the step. A run's fresh (or `init_from`) parameters and its state's shardings
+are here too; I/O, logging and the loop live in train.py.
 """
 
 from typing import Any
@@ -92,7 +92,11 @@ def train_step(
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     healthy = state.healthy & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(healthy, n, o), new, old)
+
+    def keep(new, old):
+        """`new` where the step was healthy, else `old` (leaf by leaf)."""
+        return jax.tree.map(lambda n, o: jnp.where(healthy, n, o), new, old)
+
     new_state = state.replace(
         step=state.step + healthy.astype(jnp.int32),
         params=keep(params, state.params),
@@ -103,7 +107,8 @@ def train_step(
 
 
 def eval_step(params: dict, batch: dict, *, graphdef) -> dict:
-    """Sums over the batch (rows with weight 0 are padding): per-row accuracy, rows, NLL, hits, tokens."""
+    """Sums over the batch (rows with weight 0 are padding): per-row accuracy, rows, NLL, hits,
+    tokens."""
     nll, predictions = token_stats(nnx.merge(graphdef, params), batch)
     weight = batch["weight"].astype(jnp.float32)
     accuracy, has = per_sample_accuracy(predictions, batch)
@@ -139,7 +144,8 @@ def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
 
 
 def state_shardings(state_shape, param_shardings: dict, tx, mesh):
-    """Shardings of the TrainState: optimizer moments follow their parameters, scalars replicated."""
+    """Shardings of the TrainState: optimizer moments follow their parameters, scalars
+    replicated."""
     replicated = NamedSharding(mesh, P())
     opt = optim.opt_state_shardings(tx, state_shape.opt_state, param_shardings, replicated)
     return TrainState(

@@ -102,8 +102,9 @@ def interpret_for(variant, interpret=None):
 
 
 def mosaic_gpu_interpret_params(interpret, num_threads):
-    """The `interpret=` argument of plgpu.kernel (the SSD's kernel_mgpu.py): Mosaic GPU's interpreter on a CPU (or when
-    forced with True), else compiled. RuntimeError if the interpreter would deadlock."""
+    """The `interpret=` argument of plgpu.kernel (the SSD's kernel_mgpu.py): Mosaic GPU's
+    interpreter on a CPU (or when forced with True), else compiled. RuntimeError if the interpreter
+    would deadlock."""
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda")
     if not interpret:

@@ -51,7 +51,9 @@ def string_match_part(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> fl
 def metric(task: str) -> Callable[[Sequence[str], Sequence[Sequence[str]]], float]:
     """RULER's metric for a task: string_match_part for qa, string_match_all for the others."""
     if task not in ruler_tasks.TASKS:
-        raise ValueError(f"unknown RULER task {task!r}; known tasks: {', '.join(ruler_tasks.TASKS)}")
+        raise ValueError(
+            f"unknown RULER task {task!r}; known tasks: {', '.join(ruler_tasks.TASKS)}"
+        )
     return string_match_part if ruler_tasks.TASKS[task]["kind"] == "qa" else string_match_all
 
 

@@ -134,9 +134,12 @@ class Attention(nnx.Module):
         l = q.shape[1]
         if cache is None:  # training / first prefill: keys are just these l tokens
             o = per_device(
-                functools.partial(_full_shard, scale=self.scale), dict(q=q, k=k, v=v),
-                dict(q=HEADS, k=HEADS, v=HEADS), [HEADS], seq_aware=True,
-            )  # fmt: skip
+                functools.partial(_full_shard, scale=self.scale),
+                dict(q=q, k=k, v=v),
+                dict(q=HEADS, k=HEADS, v=HEADS),
+                [HEADS],
+                seq_aware=True,
+            )
             # Hold at least this prefix; later calls must stay within the capacity.
             pad = ((0, 0), (0, max(DEFAULT_CAPACITY, l) - l), (0, 0), (0, 0))
             return o, KVCache(jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(l, jnp.int32))
@@ -160,8 +163,9 @@ class Attention(nnx.Module):
             functools.partial(_window_shard, window=w, scale=self.scale),
             dict(q=q, k=k, v=v, hist_k=hist_k, hist_v=hist_v, pos=p),
             dict(q=HEADS, k=HEADS, v=HEADS, hist_k=HISTORY, hist_v=HISTORY, pos=()),
-            [HEADS, HISTORY, HISTORY], seq_aware=True,
-        )  # fmt: skip
+            [HEADS, HISTORY, HISTORY],
+            seq_aware=True,
+        )
         # The new cache: the last w - 1 tokens, laid out as the ring buffer.
         end = p + q.shape[1]
         shift = end % (w - 1)

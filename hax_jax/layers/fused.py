@@ -148,9 +148,7 @@ class FusedConv1d(nnx.Module):
         total = sum(p.size for p in parts)
         init = torch_linear_init(width)  # torch Conv1d with groups=channels: fan_in = width
         self.kernel = _cut(init(rngs.params(), (width, total)), parts, (None,))
-        self.bias = (
-            _cut(init(rngs.params(), (total,)), parts, ()) if use_bias else nnx.data(None)
-        )
+        self.bias = _cut(init(rngs.params(), (total,)), parts, ()) if use_bias else nnx.data(None)
 
     def init_state(self, batch: int, dtype) -> jax.Array:
         """The zero window (b, width - 1, total channels)."""

@@ -1,10 +1,11 @@
 """The sparse-attention branch beside an SSM mixer (HAX paper §4; SPEC §1.3).
 
-On the post-conv activation x (b, l, e): [K | Q] = qk_proj(x), K /= sqrt(N), V = x; o = sparse_attention(Q, K,
-V) over the configured pattern ("lsh+ks" is HAX); the mixer adds o * E (E a learned per-channel gate, init 1).
-The key-selection scorer is an MLP on [stopgrad(k_j), normalize(sum_{p<=j} stopgrad(q_p))], trained only by
-the ranking loss (paper eqs. 15-17), which is sown as `nnx.Intermediate` "rank_loss" when an rng is given
-(collect it with `nnx.capture(model, nnx.Intermediate)`; see models.lm.rank_loss_sum).
+On the post-conv activation x (b, l, e): [K | Q] = qk_proj(x), K /= sqrt(N), V = x; o =
+sparse_attention(Q, K, V) over the configured pattern ("lsh+ks" is HAX); the mixer adds o * E (E a
+learned per-channel gate, init 1). The key-selection scorer is an MLP on [stopgrad(k_j),
+normalize(sum_{p<=j} stopgrad(q_p))], trained only by the ranking loss (paper eqs. 15-17), which is
+sown as `nnx.Intermediate` "rank_loss" when an rng is given (collect it with `nnx.capture(model,
+nnx.Intermediate)`; see models.lm.rank_loss_sum).
 """
 
 import functools
@@ -90,7 +91,8 @@ class KeyScorer(nnx.Module):
         )
 
     def __call__(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
-        """k, q_sum (..., N) (q_sum already normalised) -> scores (...,) fp32; no gradient to k or q."""
+        """k, q_sum (..., N) (q_sum already normalised) -> scores (...,) fp32; no gradient to k or
+        q."""
         h = jnp.concatenate([jax.lax.stop_gradient(k), jax.lax.stop_gradient(q_sum)], axis=-1)
         h = jax.nn.relu(self.fc1(h.astype(jnp.float32)))
         h = jax.nn.relu(self.fc2(h))
@@ -98,7 +100,8 @@ class KeyScorer(nnx.Module):
 
 
 class HaxBranch(nnx.Module):
-    """qk projection, the sparse attention over (Q, K, V = x), the per-channel gate E, and the scorer."""
+    """qk projection, the sparse attention over (Q, K, V = x), the per-channel gate E, and the
+    scorer."""
 
     def __init__(self, cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
         # The attention is described once, by the spec every op call below takes.
@@ -117,19 +120,21 @@ class HaxBranch(nnx.Module):
         return q, k / math.sqrt(self.d_state)
 
     def _hash_proj(self, rng: jax.Array | None) -> jax.Array | None:
-        """H ~ N(0, 1) (N, h): resampled from `rng` in training, fixed by eval_hash_seed otherwise."""
+        """H ~ N(0, 1) (N, h): resampled from `rng` in training, fixed by eval_hash_seed
+        otherwise."""
         if not self.spec.has("lsh"):
             return None
         key = jax.random.key(self.cfg.eval_hash_seed) if rng is None else rng
         return jax.random.normal(key, (self.d_state, self.spec.hash_bits), jnp.float32)
 
     def _key_scores(self, q_bln: jax.Array, k_bln: jax.Array) -> jax.Array | None:
-        """Scores of every key from the causal prefix sum of queries (the official code: sequence-normalised)."""
+        """Scores of every key from the causal prefix sum of queries (the official code:
+        sequence-normalised)."""
         if self.scorer is None:
             return None
         q_sum = sequence_cumsum(q_bln)
-        # The official code calls normalize() with torch's default dim=1, the sequence axis: it leaks the
-        # future into every score. We normalise each prefix sum over its own features.
+        # The official code calls normalize() with torch's default dim=1, the sequence axis: it
+        # leaks the future into every score. We normalise each prefix sum over its own features.
         q_sum = l2_normalize(q_sum, axis=1 if self.cfg.official_code else -1)
         return self.scorer(k_bln, q_sum)
 
@@ -156,7 +161,8 @@ class HaxBranch(nnx.Module):
         return per_device(attend, args, ATTEND_AXES, ATTEND_OUT_AXES, seq_aware=True)
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:
-        """Samples kc candidate keys per sequence uniformly without replacement (never padding) and ranks them."""
+        """Samples kc candidate keys per sequence uniformly without replacement (never padding) and
+        ranks them."""
         b, l = scores.shape
         kc = min(self.spec.keys_per_component, l)
         noise = jax.random.uniform(rng, (b, l))
@@ -185,7 +191,8 @@ class HaxBranch(nnx.Module):
 
     def prefill(self, x: jax.Array, cache: SparseAttentionCache):
         """From an empty cache: x (b, l, e) -> (o * E (b, l, e), cache after x) as the step scan
-        gives them, but from the parallel op (eval mode) and `prefill_cache`: no loop over tokens."""
+        gives them, but from the parallel op (eval mode) and `prefill_cache`: no loop over
+        tokens."""
         q, k = self._qk(x)
         scores = self._key_scores(q, k)
         hash_proj = self._hash_proj(None)
@@ -199,7 +206,8 @@ class HaxBranch(nnx.Module):
 
     @staticmethod
     def decode_cache(cache) -> SparseAttentionCache:
-        """The branch's part of a mixer cache, or a clear error when that cache did not start as init_cache."""
+        """The branch's part of a mixer cache, or a clear error when that cache did not start as
+        init_cache."""
         if cache.sparse is None:
             raise ValueError(
                 "this layer has a sparse-attention branch: start from model.init_cache(batch) "
@@ -238,7 +246,6 @@ class HaxBranch(nnx.Module):
 
         cache, o_lbe = jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
         return jnp.moveaxis(o_lbe, 0, 1), cache
-
 
 
 def sparse_branch(cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):

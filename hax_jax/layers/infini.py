@@ -107,7 +107,8 @@ class InfiniAttention(nnx.Module):
         self.beta = nnx.Param(jnp.zeros((h,), jnp.float32), logical_axes=("heads",))
 
     def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> InfiniCache:
-        """Empty memory, empty segment, position 0; `capacity` is unused (the memory is fixed-size)."""
+        """Empty memory, empty segment, position 0; `capacity` is unused (the memory is
+        fixed-size)."""
         return self._empty(batch, self.n_heads)
 
     def _empty(self, batch: int, heads: int) -> InfiniCache:
@@ -157,11 +158,12 @@ class InfiniAttention(nnx.Module):
         gate = jax.nn.sigmoid(self.beta[...])
         if cache is None:
             a, *state = per_device(
-                self._fresh, dict(q=q, k=k, v=v, gate=gate),
+                self._fresh,
+                dict(q=q, k=k, v=v, gate=gate),
                 dict(q=HEADS, k=HEADS, v=HEADS, gate=("heads",)),
                 [HEADS, ("batch", "heads", None, None), ("batch", "heads", None), BUFFER, BUFFER],
                 seq_aware=True,
-            )  # fmt: skip
+            )
             pos = jnp.asarray(x.shape[1], jnp.int32)
         else:
             a, *state = self._scan(q, k, v, gate, cache, cache.pos % self.seg)

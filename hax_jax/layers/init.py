@@ -10,7 +10,8 @@ from hax_jax.sharding import linear_axes
 
 
 def torch_linear_init(fan_in: int, scale: float = 1.0):
-    """PyTorch's default Linear/Conv init, U(+-1/sqrt(fan_in)), optionally scaled (mamba_ssm keeps it)."""
+    """PyTorch's default Linear/Conv init, U(+-1/sqrt(fan_in)), optionally scaled (mamba_ssm keeps
+    it)."""
     bound = scale / math.sqrt(fan_in)
 
     def init(key, shape, dtype=jnp.float32):
@@ -20,7 +21,8 @@ def torch_linear_init(fan_in: int, scale: float = 1.0):
 
 
 def dt_bias_init(dt_min: float, dt_max: float, floor: float):
-    """Inverse softplus of a log-uniform dt in [dt_min, dt_max], clamped at `floor` (official init)."""
+    """Inverse softplus of a log-uniform dt in [dt_min, dt_max], clamped at `floor` (official
+    init)."""
 
     def init(key, shape, dtype=jnp.float32):
         u = jax.random.uniform(key, shape, jnp.float32)

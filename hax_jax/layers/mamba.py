@@ -27,7 +27,8 @@ class MambaCache(NamedTuple):
 
 
 class MambaMixer(nnx.Module):
-    """in_proj -> x, z; conv + SiLU on x; x_proj -> [dt | B | C]; selective scan; * SiLU(z); out_proj."""
+    """in_proj -> x, z; conv + SiLU on x; x_proj -> [dt | B | C]; selective scan; * SiLU(z);
+    out_proj."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m = cfg.mamba
@@ -43,9 +44,13 @@ class MambaMixer(nnx.Module):
         # per part (layers/fused.py), so a device's x and z are local; x_proj contracts the split
         # d_inner (a small all-reduce of dt, B, C) and out_proj too (the block's all-reduce).
         self.in_proj = FusedLinear(
-            d, (Part("x", (e,), ("inner",)), Part("z", (e,), ("inner",))),
-            in_axis="embed", use_bias=m.bias, dtype=dtype, rngs=rngs,
-        )  # fmt: skip
+            d,
+            (Part("x", (e,), ("inner",)), Part("z", (e,), ("inner",))),
+            in_axis="embed",
+            use_bias=m.bias,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
         self.x_proj = linear(e, r + 2 * n, ("inner", "state"))
         self.dt_proj = linear(
@@ -111,29 +116,54 @@ class MambaMixer(nnx.Module):
         conv = self.conv1d
         x, z, conv_state = per_device(
             functools.partial(_front_shard, dtype=self.dtype),
-            dict(u=u, in_kernels=in_kernels, in_biases=in_biases, conv_kernel=conv.kernel[...],
-                 conv_bias=None if conv.bias is None else conv.bias[...],
-                 conv_state=conv.init_state(u.shape[0], self.dtype) if cache is None else cache.conv),
-            dict(u=("batch", "seq", None), in_kernels={"x": (None, "inner"), "z": (None, "inner")},
-                 in_biases={"x": ("inner",), "z": ("inner",)}, conv_kernel=(None, "inner"),
-                 conv_bias=("inner",), conv_state=("batch", None, "inner")),
+            dict(
+                u=u,
+                in_kernels=in_kernels,
+                in_biases=in_biases,
+                conv_kernel=conv.kernel[...],
+                conv_bias=None if conv.bias is None else conv.bias[...],
+                conv_state=conv.init_state(u.shape[0], self.dtype) if cache is None else cache.conv,
+            ),
+            dict(
+                u=("batch", "seq", None),
+                in_kernels={"x": (None, "inner"), "z": (None, "inner")},
+                in_biases={"x": ("inner",), "z": ("inner",)},
+                conv_kernel=(None, "inner"),
+                conv_bias=("inner",),
+                conv_state=("batch", None, "inner"),
+            ),
             [("batch", "seq", "inner"), ("batch", "seq", "inner"), ("batch", None, "inner")],
             seq_aware=True,
-        )  # fmt: skip
+        )
         dt, B, C = self._dt_B_C(x)
 
         h0 = None if cache is None else cache.ssm
         channels = ("batch", "seq", "inner")
         y, ssm_state = per_device(
             functools.partial(selective_scan_sequence_parallel, impl=self.scan_impl),
-            dict(x=x, dt=dt, A=-jnp.exp(self.A_log[...]), B=B, C=C, D=self.D[...], z=z,
-                 initial_state=h0),
-            dict(x=channels, dt=channels, A=("inner", None), B=("batch", "seq", None),
-                 C=("batch", "seq", None), D=("inner",), z=channels,
-                 initial_state=("batch", "inner", None)),
+            dict(
+                x=x,
+                dt=dt,
+                A=-jnp.exp(self.A_log[...]),
+                B=B,
+                C=C,
+                D=self.D[...],
+                z=z,
+                initial_state=h0,
+            ),
+            dict(
+                x=channels,
+                dt=channels,
+                A=("inner", None),
+                B=("batch", "seq", None),
+                C=("batch", "seq", None),
+                D=("inner",),
+                z=channels,
+                initial_state=("batch", "inner", None),
+            ),
             [channels, ("batch", "inner", None)],
             seq_aware=True,
-        )  # fmt: skip
+        )
         sparse_cache = None
         if self.branch is not None:
             # HAX with Mamba: y = scan(x) * SiLU(z) + o * E * SiLU(z).

@@ -116,9 +116,26 @@ def _gpu_backward_kernel(*refs, chunk, num_chunks, has_z):
     # inputs: x, dt (l, bd); z if has_z; dout (l, bd); B, C (l, n); A (bd, n); D (bd,); the
     # chunk-start states; the final-state cotangent (bd, n). outputs: dx, ddt (l, bd); dz if
     # has_z; dB, dC partials (l, n); dA (bd, n); dD (bd,); d initial state (bd, n)
-    (x_ref, dt_ref, z_ref, dout_ref, b_ref, c_ref, a_ref, d_ref, hs_ref, dfinal_ref, dx_ref,
-     ddt_ref, dz_ref, db_ref, dc_ref, da_ref, dd_ref, dh0_ref) = split_backward_refs(
-        refs, has_z)  # fmt: skip
+    (
+        x_ref,
+        dt_ref,
+        z_ref,
+        dout_ref,
+        b_ref,
+        c_ref,
+        a_ref,
+        d_ref,
+        hs_ref,
+        dfinal_ref,
+        dx_ref,
+        ddt_ref,
+        dz_ref,
+        db_ref,
+        dc_ref,
+        da_ref,
+        dd_ref,
+        dh0_ref,
+    ) = split_backward_refs(refs, has_z)
 
     A = a_ref[...]
     A2, D = A * LOG2E, d_ref[...]

@@ -101,9 +101,26 @@ def _tpu_backward_kernel(*refs, chunk, has_z):
     # D (1, bd); this chunk's start state (1, n, bd); the final-state cotangent (n, bd).
     # outputs: dx, ddt (chunk, bd); dz if has_z; dB, dC partials (n, chunk); dA (n, bd);
     # dD (1, bd); d initial state (n, bd)
-    (x_ref, dt_ref, z_ref, dout_ref, b_ref, c_ref, a_ref, d_ref, hs_ref, dfinal_ref, dx_ref,
-     ddt_ref, dz_ref, db_ref, dc_ref, da_ref, dd_ref, dh0_ref) = split_backward_refs(
-        refs, has_z)  # fmt: skip
+    (
+        x_ref,
+        dt_ref,
+        z_ref,
+        dout_ref,
+        b_ref,
+        c_ref,
+        a_ref,
+        d_ref,
+        hs_ref,
+        dfinal_ref,
+        dx_ref,
+        ddt_ref,
+        dz_ref,
+        db_ref,
+        dc_ref,
+        da_ref,
+        dd_ref,
+        dh0_ref,
+    ) = split_backward_refs(refs, has_z)
 
     @pl.when(pl.program_id(2) == 0)
     def _():
@@ -240,6 +257,12 @@ def tpu_backward(geo, p, states, dout, dfinal, *, interpret):
         return jnp.swapaxes(partial_bjcnk.sum(axis=1), 2, 3).reshape(b, geo.l_pad, geo.n_pad)
 
     return (
-        dx, ddt, dz, per_step(dB), per_step(dC), dA.sum(axis=0).T, dD.sum(axis=(0, 1)),
+        dx,
+        ddt,
+        dz,
+        per_step(dB),
+        per_step(dC),
+        dA.sum(axis=0).T,
+        dD.sum(axis=(0, 1)),
         jnp.swapaxes(dh0, 1, 2),
-    )  # fmt: skip
+    )

@@ -20,9 +20,23 @@ def _fit_channels(states, variant, d_pad):
 
 
 def forward(
-    x, dt, A, B, C, D=None, z=None, initial_state=None, *, variant, interpret=None,
-    chunk=None, chunk_bwd=None, block_d=None, num_warps=None, save_states=False,
-):  # fmt: skip
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    initial_state=None,
+    *,
+    variant,
+    interpret=None,
+    chunk=None,
+    chunk_bwd=None,
+    block_d=None,
+    num_warps=None,
+    save_states=False,
+):
     """Pallas selective scan forward; same contract as selective_scan_reference.
 
     Returns (y (b, l, d) in x.dtype, final state (b, d, n) fp32, states): states are the fp32
@@ -32,7 +46,7 @@ def forward(
     sizes = resolve_block_sizes(
         variant,
         BlockSizes(chunk=chunk, chunk_bwd=chunk_bwd, block_d=block_d, num_warps=num_warps),
-    )  # fmt: skip
+    )
     _, l, d = x.shape
     n = A.shape[1]
     geo = geometry(variant, l, d, n, sizes.chunk, sizes.chunk_bwd, sizes.block_d)
@@ -49,9 +63,24 @@ def forward(
 
 
 def backward(
-    x, dt, A, B, C, D, z, initial_state, states, dout, dfinal, *, variant, interpret=None,
-    chunk_bwd=None, block_d=None, num_warps=None,
-):  # fmt: skip
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    z,
+    initial_state,
+    states,
+    dout,
+    dfinal,
+    *,
+    variant,
+    interpret=None,
+    chunk_bwd=None,
+    block_d=None,
+    num_warps=None,
+):
     """Gradients of forward's (y, final state) given their cotangents dout, dfinal.
 
     `states` comes from forward(..., save_states=True) with the same chunk_bwd, which is the
@@ -61,7 +90,7 @@ def backward(
     sizes = resolve_block_sizes(
         variant,
         BlockSizes(chunk=chunk_bwd, chunk_bwd=chunk_bwd, block_d=block_d, num_warps=num_warps),
-    )  # fmt: skip
+    )
     b, l, d = x.shape
     n = A.shape[1]
     geo = geometry(variant, l, d, n, sizes.chunk_bwd, sizes.chunk_bwd, sizes.block_d)
@@ -79,15 +108,26 @@ def backward(
     if variant == "gpu":
         partial_dtypes = (partial_dtype(B.dtype), partial_dtype(C.dtype))
         grads = gpu_backward(
-            geo, p, states, dout, dfinal, partial_dtypes=partial_dtypes,
-            num_warps=sizes.num_warps, interpret=interpret,
-        )  # fmt: skip
+            geo,
+            p,
+            states,
+            dout,
+            dfinal,
+            partial_dtypes=partial_dtypes,
+            num_warps=sizes.num_warps,
+            interpret=interpret,
+        )
     else:
         grads = tpu_backward(geo, p, states, dout, dfinal, interpret=interpret)
     dx, ddt, dz, dB, dC, dA, dD, dh0 = grads
     seq = (slice(None), slice(0, l), slice(0, d))
     return (
-        dx[seq], ddt[seq], dA[:d, :n], dB[:, :l, :n], dC[:, :l, :n], dD[:d],
+        dx[seq],
+        ddt[seq],
+        dA[:d, :n],
+        dB[:, :l, :n],
+        dC[:, :l, :n],
+        dD[:d],
         None if dz is None else dz[seq],
         None if initial_state is None else dh0[:, :d, :n],
-    )  # fmt: skip
+    )

@@ -62,8 +62,12 @@ def resolve_block_sizes(variant, block_sizes=None):
             if value & (value - 1):
                 raise ValueError(f"block_sizes.{name} must be a power of two on gpu, got {value}")
     else:  # Mosaic: blocks end in (8k, 128k)
-        for name, multiple in (("chunk", 8), ("chunk_bwd", 8), ("block_d", 128),
-                               ("block_d_bwd", 128)):  # fmt: skip
+        for name, multiple in (
+            ("chunk", 8),
+            ("chunk_bwd", 8),
+            ("block_d", 128),
+            ("block_d_bwd", 128),
+        ):
             value = getattr(sizes, name)
             if value % multiple:
                 raise ValueError(

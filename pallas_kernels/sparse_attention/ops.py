@@ -17,7 +17,9 @@ from .tiling import BlockSizes
 
 IMPLS = ("auto", "indexed", "pallas")
 # sparse_attention's settings when a spec is given instead.
-_LOOSE_DEFAULTS = dict(pattern=None, num_keys=None, max_len=None, binning="sign", official_code=False)
+_LOOSE_DEFAULTS = dict(
+    pattern=None, num_keys=None, max_len=None, binning="sign", official_code=False
+)
 
 
 def _check_spec(spec):
@@ -111,10 +113,22 @@ _sparse_attention_pallas.defvjp(_sparse_attention_pallas_fwd, _sparse_attention_
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "spec", "pattern", "num_keys", "max_len", "binning", "official_code", "impl", "variant",
-        "interpret", "block_q", "block_k", "block_e", "num_warps", "num_stages",
+        "spec",
+        "pattern",
+        "num_keys",
+        "max_len",
+        "binning",
+        "official_code",
+        "impl",
+        "variant",
+        "interpret",
+        "block_q",
+        "block_k",
+        "block_e",
+        "num_warps",
+        "num_stages",
     ),
-)  # fmt: skip
+)
 def sparse_attention(
     q,
     k,
@@ -141,8 +155,8 @@ def sparse_attention(
 
     The attention is a `SparseSpec` (the one the decode cache, step and prefill take), or the
     settings pattern, num_keys, max_len, binning and official_code that build it (hash_bits = h
-    of hash_proj); not both. q, k (b, l, n) (k already scaled: logits are exactly q_i . k_j); v (b, l, e);
-    hash_proj (n, h) for lsh; key_scores (b, l) for ks (no gradient through the selection);
+    of hash_proj); not both. q, k (b, l, n) (k already scaled: logits are exactly q_i . k_j); v (b,
+    l, e); hash_proj (n, h) for lsh; key_scores (b, l) for ks (no gradient through the selection);
     max_len for dilated. pattern: '+'-joined components of ("sw", "sink", "dilated", "lsh",
     "ks"), or "full" alone; each gets kc = num_keys // #components keys, query i attends to the
     union of their causal key sets (see reference.py), softmax over those keys only, fp32
@@ -166,8 +180,13 @@ def sparse_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    settings = dict(pattern=pattern, num_keys=num_keys, max_len=max_len, binning=binning,
-                    official_code=official_code)  # fmt: skip
+    settings = dict(
+        pattern=pattern,
+        num_keys=num_keys,
+        max_len=max_len,
+        binning=binning,
+        official_code=official_code,
+    )
     if spec is None:
         hash_bits = None if hash_proj is None else hash_proj.shape[-1]
         spec = SparseSpec(**settings, hash_bits=hash_bits)

@@ -111,9 +111,22 @@ def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile, seq_major):
 
 
 def _chunk_out_kernel(
-    x_ref, cb_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
-    h_ref, d_ref, y_ref, *, tile, seq_major,
-):  # fmt: skip
+    x_ref,
+    cb_ref,
+    c_ref,
+    cs_c_ref,
+    cs_r_ref,
+    dt_r_ref,
+    seq_c_ref,
+    seq_r_ref,
+    wout_ref,
+    h_ref,
+    d_ref,
+    y_ref,
+    *,
+    tile,
+    seq_major,
+):
     """y for target tile i of one head: the causal intra-chunk sum, the incoming state, D x."""
     x_ref, y_ref = head(x_ref, 0, seq_major), head(y_ref, 0, seq_major)
     cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref = (
@@ -139,7 +152,6 @@ def _chunk_out_kernel(
     y_ref[...] = acc_sp.astype(y_ref.dtype)
 
 
-
 # ---------------------------------------------------------------- backward kernels
 # Per source tile t the dx of one head (grad_dx), and the dB, dC and decay terms of a block of
 # heads (grad_bc).
@@ -158,9 +170,24 @@ def _column_of(mat, hh):
 
 
 def grad_dx_kernel(
-    dy_ref, x_ref, b_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref, wst_ref,
-    dh_ref, d_ref, dx_ref, dd_ref, *, tile, seq_major,
-):  # fmt: skip
+    dy_ref,
+    x_ref,
+    b_ref,
+    cbt_ref,
+    cs_c_ref,
+    cs_r_ref,
+    dt_c_ref,
+    seq_c_ref,
+    seq_r_ref,
+    wst_ref,
+    dh_ref,
+    d_ref,
+    dx_ref,
+    dd_ref,
+    *,
+    tile,
+    seq_major,
+):
     """dx for source tile i (rows t) of one head: the targets s >= t of the chunk through
     C_s.B_t L[s, t], the outgoing state's gradient through B_t, and D dy_t; and the tile's part
     of dD, sum dy_t . x_t (1, 1)."""
@@ -193,10 +220,31 @@ def grad_dx_kernel(
 
 
 def grad_bc_kernel(
-    x_ref, dy_ref, b_ref, c_ref, cbt_ref, cs_c_ref, cs_r_ref, dt_c_ref, seq_c_ref, seq_r_ref,
-    wst_ref, dh_ref, wout_ref, h_ref, dcb_ref, ddt_ref, v_ref, db_ref, dc_ref, rowsum_part_ref,
-    u_ref, *, tile, seq_major,
-):  # fmt: skip
+    x_ref,
+    dy_ref,
+    b_ref,
+    c_ref,
+    cbt_ref,
+    cs_c_ref,
+    cs_r_ref,
+    dt_c_ref,
+    seq_c_ref,
+    seq_r_ref,
+    wst_ref,
+    dh_ref,
+    wout_ref,
+    h_ref,
+    dcb_ref,
+    ddt_ref,
+    v_ref,
+    db_ref,
+    dc_ref,
+    rowsum_part_ref,
+    u_ref,
+    *,
+    tile,
+    seq_major,
+):
     """The pieces of dB and dC for source tile i (rows t) and a block of heads of one group.
 
     Per pair of tiles (t, s >= t) and head, G = x_t . dy_s and M = G L CB (L the masked decay)
@@ -272,8 +320,7 @@ def grad_bc_kernel(
 # ---------------------------------------------------------------- launch
 
 
-def call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps,
-          num_stages):  # fmt: skip
+def call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps, num_stages):
     """pallas_call with this variant's compiler parameters."""
     variant = layout.variant
     return pl.pallas_call(
@@ -404,9 +451,18 @@ def chunk_outputs(prep, h_in, *, interpret=None):
     cs_c, dt_c, wout_c, cs_r, dt_r, _ = prep.vectors(prep.cs, prep.dt, prep.w_out)
     grid = (b, h, prep.c, prep.k // lay.tile)
     in_specs = [
-        lay.chunk(p), lay.scores(), lay.group_chunk(n), lay.column(), lay.row(),
-        lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(p, n), lay.scalar(),
-    ]  # fmt: skip
+        lay.chunk(p),
+        lay.scores(),
+        lay.group_chunk(n),
+        lay.column(),
+        lay.row(),
+        lay.row(),
+        lay.seq_column(),
+        lay.seq_row(),
+        lay.column(),
+        lay.state(p, n),
+        lay.scalar(),
+    ]
     return call(
         _chunk_out_kernel,
         lay,
@@ -418,6 +474,15 @@ def chunk_outputs(prep, h_in, *, interpret=None):
         num_warps=prep.sizes.num_warps,
         num_stages=prep.sizes.num_stages,
     )(
-        prep.x, prep.scores(), prep.C, cs_c, cs_r, dt_r, prep.seq[..., None], prep.seq[:, :, None],
-        wout_c, h_in, prep.D[:, None, None],
-    )  # fmt: skip
+        prep.x,
+        prep.scores(),
+        prep.C,
+        cs_c,
+        cs_r,
+        dt_r,
+        prep.seq[..., None],
+        prep.seq[:, :, None],
+        wout_c,
+        h_in,
+        prep.D[:, None, None],
+    )

@@ -225,8 +225,9 @@ def chunk_states_mgpu(prep, x, w_bhck, B, *, interpret=None):
     ]
     _check_smem("chunk_states_mgpu", smem)
 
-    def chunk_state(x_ref, w_ref, b_ref, s_ref, b_smem, x_smem, w_smem, s_smem, b_ready,
-                    head_ready, head_free):  # fmt: skip
+    def chunk_state(
+        x_ref, w_ref, b_ref, s_ref, b_smem, x_smem, w_smem, s_smem, b_ready, head_ready, head_free
+    ):
         # inputs: x_ref (b, l', h, p), w_ref (b, h, c, k), b_ref (b, l', g, n) in GMEM
         # outputs: s_ref (b, c, h, p, n) fp32 in GMEM
         blk, ci, bi = (lax.axis_index(a) for a in ("heads", "c", "b"))
@@ -352,9 +353,27 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
     d_rep = jnp.broadcast_to(prep.D[:, None], (h, ROWS))
     vec_bhc3k = jnp.stack([prep.cs, prep.dt, prep.w_out], axis=3)
 
-    def chunk_out(x_ref, c_ref, b_ref, seq_ref, vec_ref, h_ref, d_ref, y_ref, c_smem, b_smem,
-                  seq_smem, x_smem, h_smem, vec_smem, d_smem, y_smem, chunk_ready, head_ready,
-                  head_free):  # fmt: skip
+    def chunk_out(
+        x_ref,
+        c_ref,
+        b_ref,
+        seq_ref,
+        vec_ref,
+        h_ref,
+        d_ref,
+        y_ref,
+        c_smem,
+        b_smem,
+        seq_smem,
+        x_smem,
+        h_smem,
+        vec_smem,
+        d_smem,
+        y_smem,
+        chunk_ready,
+        head_ready,
+        head_free,
+    ):
         # inputs: x_ref (b, l', h, p), c_ref / b_ref (b, l', g, n), seq_ref (b, c, k) int32,
         #   vec_ref (b, h, c, 3, k) fp32 [cs, dt, w_out], h_ref (b, c, h, p, n), d_ref (h, 64)
         # outputs: y_ref (b, l', h, p)

@@ -122,8 +122,9 @@ def _chunk_kernels(prep, interpret):
     return chunk_states, chunk_outputs
 
 
-def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, sizes,
-            interpret=None):  # fmt: skip
+def forward(
+    x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, sizes, interpret=None
+):
     """(y (b, l, h, p) in x.dtype, final state (b, h, p, n) fp32, residuals for backward);
     `sizes` are resolved BlockSizes."""
     prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
@@ -136,8 +137,24 @@ def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, s
     return y, final[:, :, :p, :n], h_in
 
 
-def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chunk_size,
-             variant, sizes, interpret=None):  # fmt: skip
+def backward(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    initial_state,
+    seq_idx,
+    h_in,
+    dy,
+    dfinal,
+    *,
+    chunk_size,
+    variant,
+    sizes,
+    interpret=None,
+):
     """Gradients (dx, ddt, dA, dB, dC, dD, d initial_state) of forward's (y, final state)."""
     prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
     lay = prep.layout
@@ -191,28 +208,77 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
         num_warps=prep.sizes.num_warps_bwd,
         num_stages=prep.sizes.num_stages_bwd,
     )(
-        dy_l, prep.x, prep.B, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
+        dy_l,
+        prep.x,
+        prep.B,
+        cbt,
+        cs_c,
+        cs_r,
+        dt_c,
+        seq_c,
+        seq_r,
+        wst_c,
+        dh_out,
         prep.D[:, None, None],
-    )  # fmt: skip
+    )
     dcb_shape = (b, c, blocks, k, k)
     dcb, ddt_intra, v, db_state, dc_state, rowsum_part, u = call(
         kernel.grad_bc_kernel,
         lay,
         grid,
-        [lay.chunk(pp), lay.chunk(pp), lay.group_chunk(nn), lay.group_chunk(nn), lay.scores(),
-         lay.column(), lay.row(), lay.column(), lay.seq_column(), lay.seq_row(), lay.column(),
-         lay.state(pp, nn), lay.column(), lay.state(pp, nn)],  # fmt: skip
-        [lay.score_rows(), lay.column_tile(), lay.column_tile(), lay.tile_of(nn, heads=False),
-         lay.tile_of(nn, heads=False), lay.row_partial(), lay.column_tile()],  # fmt: skip
-        [jax.ShapeDtypeStruct(dcb_shape, F32), col_out, col_out, sum_out, sum_out,
-         jax.ShapeDtypeStruct((b, h, c, tiles, 1, k), F32), col_out],  # fmt: skip
+        [
+            lay.chunk(pp),
+            lay.chunk(pp),
+            lay.group_chunk(nn),
+            lay.group_chunk(nn),
+            lay.scores(),
+            lay.column(),
+            lay.row(),
+            lay.column(),
+            lay.seq_column(),
+            lay.seq_row(),
+            lay.column(),
+            lay.state(pp, nn),
+            lay.column(),
+            lay.state(pp, nn),
+        ],
+        [
+            lay.score_rows(),
+            lay.column_tile(),
+            lay.column_tile(),
+            lay.tile_of(nn, heads=False),
+            lay.tile_of(nn, heads=False),
+            lay.row_partial(),
+            lay.column_tile(),
+        ],
+        [
+            jax.ShapeDtypeStruct(dcb_shape, F32),
+            col_out,
+            col_out,
+            sum_out,
+            sum_out,
+            jax.ShapeDtypeStruct((b, h, c, tiles, 1, k), F32),
+            col_out,
+        ],
         interpret=interpret,
         num_warps=prep.sizes.num_warps_bwd,
         num_stages=prep.sizes.num_stages_bwd,
     )(
-        prep.x, dy_l, prep.B, prep.C, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out, wout_c,
+        prep.x,
+        dy_l,
+        prep.B,
+        prep.C,
+        cbt,
+        cs_c,
+        cs_r,
+        dt_c,
+        seq_c,
+        seq_r,
+        wst_c,
+        dh_out,
+        wout_c,
         h_in,
-    )  # fmt: skip
+    )
     rowsum = rowsum_part.sum(axis=3)[..., 0, :]  # over source tiles
     # dCB summed over the head blocks of each group, then the intra-chunk dB and dC.
     dcb = dcb.reshape(b, c, g, blocks // g, k, k).sum(axis=3).astype(prep.mm_dtype)
@@ -242,4 +308,3 @@ def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chu
     dD = dd_part.sum(axis=(0, 2, 3, 4, 5))
     dh0 = dh0[:, :, :p, :n]
     return dx, ddt, dA, db, dc, dD, dh0
-

@@ -53,8 +53,9 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
     for name, value in dataclasses.asdict(sizes).items():
         if name == "mosaic_gpu":
             continue
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value <= 0):  # fmt: skip
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        ):
             raise ValueError(f"block_sizes.{name} must be a positive int, got {value!r}")
     tile = min(chunk_size, _TILE[variant])
     sizes = BlockSizes(

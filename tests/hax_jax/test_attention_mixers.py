@@ -6,10 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from hax_jax.config import AttentionConfig, InfiniConfig, MambaConfig, MlpConfig, ModelConfig
-from hax_jax.layers.infini import memory_retrieve, memory_update, sigma
-from hax_jax.models.blocks import MIXERS
 from mixer_testing import (
     assert_lm_decode_equals_parallel,
     assert_trees_close,
@@ -18,6 +14,10 @@ from mixer_testing import (
     random_inputs,
     run_parallel,
 )
+
+from hax_jax.config import AttentionConfig, InfiniConfig, MambaConfig, MlpConfig, ModelConfig
+from hax_jax.layers.infini import memory_retrieve, memory_update, sigma
+from hax_jax.models.blocks import MIXERS
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 WINDOW, SEGMENT = 5, 6  # small, so short sequences cross several windows / segments

@@ -1,4 +1,5 @@
-"""Configs: overrides parse to the field's type or fail naming the key; every config builds; param counts."""
+"""Configs: overrides parse to the field's type or fail naming the key; every config builds; param
+counts."""
 
 import dataclasses
 import json

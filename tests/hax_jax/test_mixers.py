@@ -1,4 +1,5 @@
-"""Mixers and the LM: recurrent step == parallel, pieces == whole, fast == reference grads, packing, causality."""
+"""Mixers and the LM: recurrent step == parallel, pieces == whole, fast == reference grads, packing,
+causality."""
 
 import dataclasses
 
@@ -88,7 +89,8 @@ def test_pieces_equal_whole(kind):
     ],
 )
 def test_fast_path_gradients_equal_reference(kind, fast, slow):
-    """Values and gradients (inputs and every parameter) of the fast scan match the reference scan."""
+    """Values and gradients (inputs and every parameter) of the fast scan match the reference
+    scan."""
     u = random_inputs(l=21)
     weights = jax.random.normal(jax.random.key(5), u.shape)
 

@@ -21,17 +21,26 @@ SQUAD = {
                 {
                     "context": "The Quillon river flows north through Vantara into the Merrow Sea.",
                     "qas": [
-                        {"question": "Which sea does the Quillon river flow into?",
-                         "answers": [{"text": "the Merrow Sea"}, {"text": "Merrow Sea"}],
-                         "is_impossible": False},
-                        {"question": "Which river flows south?", "answers": [],
-                         "is_impossible": True},
+                        {
+                            "question": "Which sea does the Quillon river flow into?",
+                            "answers": [{"text": "the Merrow Sea"}, {"text": "Merrow Sea"}],
+                            "is_impossible": False,
+                        },
+                        {
+                            "question": "Which river flows south?",
+                            "answers": [],
+                            "is_impossible": True,
+                        },
                     ],
                 },
                 {
                     "context": "Vantara's oldest bridge over the Quillon was finished in 1761.",
-                    "qas": [{"question": "When was Vantara's oldest bridge finished?",
-                             "answers": [{"text": "1761"}]}],
+                    "qas": [
+                        {
+                            "question": "When was Vantara's oldest bridge finished?",
+                            "answers": [{"text": "1761"}],
+                        }
+                    ],
                 },
             ],
         },
@@ -40,14 +49,18 @@ SQUAD = {
             "paragraphs": [
                 {
                     "context": f"The zorvel is a small bird of the {place} that nests in reeds.",
-                    "qas": [{"question": f"Where does the zorvel of the {place} nest?",
-                             "answers": [{"text": f"reeds of the {place}"}]}],
+                    "qas": [
+                        {
+                            "question": f"Where does the zorvel of the {place} nest?",
+                            "answers": [{"text": f"reeds of the {place}"}],
+                        }
+                    ],
                 }
                 for place in ("Ostmark hills", "Pellucid coast", "Draymoor fens", "Kettle isles")
             ],
         },
     ],
-}  # fmt: skip
+}
 HOTPOT = [
     {
         "question": f"Who founded the guild that built the {hall} hall?",
@@ -114,7 +127,9 @@ def random_predictor(seed: int = 0):
         """One random completion a prompt."""
         out = []
         for _ in prompts:
-            words = list(rng.choice(ruler_tasks.CWE_WORDS, 6)) + list(rng.choice(ruler_tasks.WORD_KEYS, 2))
+            words = list(rng.choice(ruler_tasks.CWE_WORDS, 6)) + list(
+                rng.choice(ruler_tasks.WORD_KEYS, 2)
+            )
             numbers = [str(x) for x in rng.integers(10**6, 10**7, 4)]
             names = ["".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), 5)) for _ in range(5)]
             out.append(" ".join(words + numbers + names + [str(rng.integers(10**4, 10**5))]))
@@ -154,7 +169,9 @@ def test_prompts_fill_the_token_budget(setup, task, length):
         with pytest.raises(ValueError, match=r"length=512 is too small .*'cwe'.* length=6\d\d"):
             ruler_tasks.generate(task, tokenizer=tokenizer, length=length, num_examples=1)
         return
-    examples = ruler_tasks.generate(task, tokenizer=tokenizer, length=length, num_examples=2, seed=3)
+    examples = ruler_tasks.generate(
+        task, tokenizer=tokenizer, length=length, num_examples=2, seed=3
+    )
     for i, e in enumerate(examples):
         budget = length - e.max_new_tokens
         assert (e.task, e.index) == (task, i)
@@ -217,7 +234,9 @@ def test_qa_documents_oracle_and_random(setup, tmp_path, data):
     path = tmp_path / "qa.json"
     path.write_text(json.dumps(data))
     gold = gold_answers(data)
-    examples = ruler_tasks.generate("qa", tokenizer=tokenizer, length=1024, num_examples=5, qa_path=path)
+    examples = ruler_tasks.generate(
+        "qa", tokenizer=tokenizer, length=1024, num_examples=5, qa_path=path
+    )
     preds = []
     for e in examples:
         question = re.findall(r"\nQuestion: (.+)$", e.input)[-1]
@@ -249,7 +268,9 @@ def test_tokenizer_truncation_is_ignored_and_kept(setup):
     truncating = type(tokenizer).from_str(tokenizer.to_str())
     truncating.enable_truncation(64)
     (e,) = ruler_tasks.generate("niah_single_1", tokenizer=truncating, length=1024, num_examples=1)
-    (plain,) = ruler_tasks.generate("niah_single_1", tokenizer=tokenizer, length=1024, num_examples=1)
+    (plain,) = ruler_tasks.generate(
+        "niah_single_1", tokenizer=tokenizer, length=1024, num_examples=1
+    )
     assert e == plain and truncating.truncation["max_length"] == 64
 
 

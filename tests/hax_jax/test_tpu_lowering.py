@@ -17,11 +17,14 @@ from tests.support.collectives import sharded_step
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_the_sharded_step_lowers_for_tpu(fsdp):
     cfg = ModelConfig(
-        d_model=64, n_layer=2, vocab_size=96, block_pattern=("mamba2", "mamba"),
-        mamba=MambaConfig(d_state=8), mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8,
-                                                          ngroups=2),
+        d_model=64,
+        n_layer=2,
+        vocab_size=96,
+        block_pattern=("mamba2", "mamba"),
+        mamba=MambaConfig(d_state=8),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8, ngroups=2),
         sparse=SparseConfig(pattern="lsh+ks", num_keys=16, hash_bits=3, max_len=256),
-    )  # fmt: skip
+    )
     mesh_cfg = MeshConfig(data=2, seq=2, tensor=2, fsdp=fsdp)
     step, params, tokens, mesh = sharded_step(
         cfg, mesh_cfg, 4, 256, P("data", "seq"), sharding.rules(fsdp)

@@ -81,7 +81,9 @@ def test_gradients_match_reference():
 def test_reference_gradient_matches_finite_differences():
     """Reference gradients equal float64 central differences along random directions."""
     with jax.enable_x64(True):
-        inputs = {k: v.astype(jnp.float64) for k, v in selective_scan_inputs(1, 5, 2, 3, seed=3).items()}
+        inputs = {
+            k: v.astype(jnp.float64) for k, v in selective_scan_inputs(1, 5, 2, 3, seed=3).items()
+        }
         rng = np.random.default_rng(4)
         w = rng.standard_normal((1, 5, 2))
 
@@ -93,7 +95,7 @@ def test_reference_gradient_matches_finite_differences():
 
         grads = jax.grad(loss)(inputs)
         eps = 1e-6
-        for i, name in enumerate(inputs):
+        for name in inputs:
             v = rng.standard_normal(inputs[name].shape)
             plus = dict(inputs, **{name: inputs[name] + eps * v})
             minus = dict(inputs, **{name: inputs[name] - eps * v})

@@ -89,7 +89,9 @@ def test_gpu_bf16_partials_err_like_rounding_twice():
     """bf16 B / C: the gpu backward's dB / dC come from bf16 per-channel-block partials; their
     error against the exact gradient (fp32 reference on the same values) stays under twice
     that of the exact gradient rounded to bf16 (relative rms; measured 1.6x)."""
-    inputs = selective_scan_inputs(2, 24, 64, 16, seed=3, dtype=jnp.bfloat16)  # 16 blocks of 4 channels
+    inputs = selective_scan_inputs(
+        2, 24, 64, 16, seed=3, dtype=jnp.bfloat16
+    )  # 16 blocks of 4 channels
     sizes = BlockSizes(chunk=8, chunk_bwd=4, block_d=4)
     dy = jnp.asarray(np.random.default_rng(5).standard_normal((2, 24, 64)), jnp.bfloat16)
 
@@ -138,8 +140,16 @@ def _realistic_args(b=2, l=2048, d=1536, n=16):
     sds = jax.ShapeDtypeStruct
     bf16, f32 = jnp.bfloat16, jnp.float32
     seq, bc = sds((b, l, d), bf16), sds((b, l, n), bf16)
-    return dict(x=seq, dt=seq, A=sds((d, n), f32), B=bc, C=bc, D=sds((d,), f32), z=seq,
-                initial_state=sds((b, d, n), f32))  # fmt: skip
+    return dict(
+        x=seq,
+        dt=seq,
+        A=sds((d, n), f32),
+        B=bc,
+        C=bc,
+        D=sds((d,), f32),
+        z=seq,
+        initial_state=sds((b, d, n), f32),
+    )
 
 
 @pytest.mark.parametrize("platform, variant", [("cuda", "gpu"), ("tpu", "tpu")])

@@ -107,8 +107,14 @@ def test_lowers_for_cuda():
     """Both kernels lower to Mosaic GPU at an issue-like shape (no GPU needed with jax 0.10)."""
     S = jax.ShapeDtypeStruct
     b, l, h, p, n = 2, 1024, 8, 64, 128
-    args = (S((b, l, h, p), jnp.bfloat16), S((b, l, h), jnp.float32), S((h,), jnp.float32),
-            S((b, l, 1, n), jnp.bfloat16), S((b, l, 1, n), jnp.bfloat16), S((h,), jnp.float32))  # fmt: skip
+    args = (
+        S((b, l, h, p), jnp.bfloat16),
+        S((b, l, h), jnp.float32),
+        S((h,), jnp.float32),
+        S((b, l, 1, n), jnp.bfloat16),
+        S((b, l, 1, n), jnp.bfloat16),
+        S((h,), jnp.float32),
+    )
     sizes = resolve_block_sizes("gpu", 256, h)
 
     def forward(x, dt, A, B, C, D):

@@ -11,7 +11,8 @@ from hax_jax.models.lm import LanguageModel
 
 
 def perturbed(module, *, seed: int, scale: float):
-    """`module` with every parameter moved off its init (ones, zeros, aranges hide mapping errors)."""
+    """`module` with every parameter moved off its init (ones, zeros, aranges hide mapping
+    errors)."""
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -42,7 +43,8 @@ run_step = nnx.jit(lambda mixer, u, cache: mixer.step(u, cache))
 
 
 def prefill_then_decode(mixer, u, *, prefix: int, cache=None):
-    """Parallel mode over u[:, :prefix] (from `cache`), then one step per remaining token: (y, cache)."""
+    """Parallel mode over u[:, :prefix] (from `cache`), then one step per remaining token: (y,
+    cache)."""
     y, cache = run_parallel(mixer, u[:, :prefix], cache)
     outs = [y]
     for t in range(prefix, u.shape[1]):

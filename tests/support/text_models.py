@@ -1,4 +1,5 @@
-"""A tiny model with a tokenizer, saved as a checkpoint directory: the subject of the text-task tests."""
+"""A tiny model with a tokenizer, saved as a checkpoint directory: the subject of the text-task
+tests."""
 
 import shutil
 from pathlib import Path
@@ -13,7 +14,8 @@ from hax_jax.models.lm import LanguageModel
 
 
 def pydoc_tokenizer(root: Path, vocab_size: int):
-    """(a BPE of vocab_size ids trained on pydoc's topics, the topics text file), both under root."""
+    """(a BPE of vocab_size ids trained on pydoc's topics, the topics text file), both under
+    root."""
     corpus = text.write_pydoc_topics(root / "topics.txt")
     text.train_tokenizer([corpus], root / "tok", vocab_size)
     return text.load_tokenizer(root / "tok"), corpus
