@@ -1,10 +1,15 @@
-"""Evaluates a model: `python eval.py WORKDIR_OR_CHECKPOINT --tasks t1,t2,... [options] [data.key=value ...]`.
+"""Evaluates a model: `python eval.py WORKDIR_OR_CHECKPOINT --tasks t1,t2,... [options]
+[data.key=value ...]`.
 
 Tasks:
-  joint_recall, mqar          held-out split (--split valid|test) of the synthetic task; the run's data
-                              settings, changed by data.* overrides (e.g. data.joint_recall.n_context=4)
-  niah_single_1 ... qa, ruler RULER-style tasks at --lengths tokens (ruler = all; qa needs --qa FILE),
-                              greedy decoding, RULER's scores; --haystack FILE for the essay haystacks
+  joint_recall, mqar          held-out split (--split valid|test) of the synthetic task; the run's
+  data
+                              settings, changed by data.* overrides (e.g.
+                              data.joint_recall.n_context=4)
+  niah_single_1 ... qa, ruler RULER-style tasks at --lengths tokens (ruler = all; qa needs --qa
+  FILE),
+                              greedy decoding, RULER's scores; --haystack FILE for the essay
+                              haystacks
   perplexity                  exp(mean NLL) over --data (a .npy/.bin token file or text) in rows of
                               --lengths tokens
   longbench                   LongBench-format JSONL files (--longbench F1,F2), their metrics
@@ -20,12 +25,11 @@ from pathlib import Path
 
 from hax_jax import checkpoint
 from hax_jax import config as config_lib
-from hax_jax.data import ruler as ruler_data
 from hax_jax.data import text
-from hax_jax.evals import heldout, longbench, ruler, text_model
+from hax_jax.evals import heldout, longbench, ruler, ruler_tasks, text_model
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
-RULER_TASKS = tuple(ruler_data.TASKS)
+RULER_TASKS = tuple(ruler_tasks.TASKS)
 TEXT_TASKS = (*RULER_TASKS, "ruler", "longbench")  # tasks that need a tokenizer
 
 

@@ -1,8 +1,8 @@
 """Trains a model: `python train.py [configs/<name>.py[:arg]] [key=value ...]`.
 
-Sharded over a ("data", "seq", "tensor") mesh, on grain data, with orbax checkpoints of the state, the data
-iterator and the config. A rerun with the same workdir resumes exactly; SIGTERM saves and exits; a non-finite
-loss saves the last good state and stops. Metrics go to workdir/metrics.jsonl and TensorBoard events.
+Sharded over a ("data", "seq", "tensor") mesh, on grain data, with orbax checkpoints of state, data
+iterator and config. A rerun with the same workdir resumes exactly; SIGTERM saves and exits; a
+non-finite loss saves the last good state and stops. Metrics: workdir/metrics.jsonl, TensorBoard.
 """
 
 import functools
@@ -42,7 +42,7 @@ def _model_inputs(cfg, batch: dict) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    """Trains to train.num_steps (or until SIGTERM / a non-finite loss); returns the last metrics."""
+    """Trains to train.num_steps (or to SIGTERM / a non-finite loss); returns the last metrics."""
     distributed.initialize()  # multi-process: one per host (or per GPU); see hax_jax/distributed
     cfg = resolve_config(argv)
     workdir = Path(cfg.workdir).absolute()
@@ -119,7 +119,7 @@ class Trainer:
         return sharding.rules(fsdp=self.cfg.mesh.fsdp)
 
     def evaluate(self) -> dict:
-        """valid_accuracy (the paper's per-sample mean, averaged) and valid_loss over the valid split."""
+        """valid_accuracy (the paper's per-sample mean, averaged) and valid_loss, valid split."""
         totals = None
         for rows in self.eval_rows:
             sums = self.eval_fn(self.state.params, self.batch(rows))
@@ -136,7 +136,7 @@ class Trainer:
             checkpoint.save_train(self.manager, step, self.state, self.iterator, self.cfg)
 
     def run(self) -> dict:
-        """The loop: next batch -> dispatch step -> read the previous step's metrics -> eval / save."""
+        """The loop: next batch -> dispatch step -> read the last step's metrics -> eval / save."""
         train = self.cfg.train
         step = _scalar(self.state.step, int)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -176,7 +176,8 @@ class Trainer:
             self.metrics.close()
             raise FloatingPointError(
                 f"non-finite training loss {values['loss']} (grad norm {values['grad_norm']}) at "
-                f"step {step}; saved the last good state (step {good}) in {self.workdir}/checkpoints"
+                f"step {step}; saved the last good state (step {good}) in "
+                f"{self.workdir}/checkpoints"
             )
         values["lr"] = float(self.lr(step - 1))
         start, first = self.window
@@ -190,7 +191,7 @@ class Trainer:
         return values
 
     def _evaluate_and_keep_best(self, step: int) -> dict:
-        """Validation metrics, logged, and the parameters kept in workdir/best when they are the best."""
+        """Validation metrics, logged; the parameters kept in workdir/best if they are the best."""
         values = self.evaluate()
         self.metrics.write(step, values)
         checkpoint.save_best(self.best, step, self.state.params, self.cfg, values)
@@ -227,8 +228,7 @@ class Trainer:
 
 
 def _process_rows(cfg, mesh, rules) -> tuple[int, int]:
-    """The rows of every global batch this process reads; an error unless "data" splits the batch
-    into whole rows per device."""
+    """The rows of each global batch this process reads; an error unless "data" splits it whole."""
     size, data = cfg.data.batch_size, mesh.shape["data"]
     if size % data:
         auto = f" (mesh.data=-1 took all {data} devices)" if cfg.mesh.data == -1 else ""

@@ -1,15 +1,19 @@
-"""Generation speed: hax_jax.generate for the 130M Mamba-2 and HAX-Mamba-2, beside transformers' generate.
+"""Generation speed: hax_jax.generate for the 130M Mamba-2 and HAX-Mamba-2, beside transformers'
+generate.
 
     python bench/decode_throughput.py [--batches 1,64] [--prompt 2048] [--new 128] [--peer]
 
 Random bf16 models (the speed does not depend on the weights), random prompts of --prompt tokens,
-greedy decoding of exactly --new tokens (no stop token). For each batch size it times the prefill alone
-(max_new_tokens=1) and the whole call, each the best of --repeats after a compiling call, and reports
+greedy decoding of exactly --new tokens (no stop token). For each batch size it times the prefill
+alone (max_new_tokens=1) and the whole call, each the best of --repeats after a compiling call, and
+reports
   decode tokens/s = batch * (new - 1) / (whole - prefill)   (the recurrent steps alone)
-  overall tokens/s = batch * new / whole                   (the Mamba paper's throughput: prefill included)
+  overall tokens/s = batch * new / whole                   (the Mamba paper's throughput: prefill
+  included)
 With --peer, transformers' Mamba2ForCausalLM (same architecture, bf16, cached generate, greedy,
-min_new_tokens = max_new_tokens) is timed the same way in the same process; what it runs (CUDA/Triton
-kernels or its pure-torch path) depends on what is installed, and the output says which.
+min_new_tokens = max_new_tokens) is timed the same way in the same process; what it runs
+(CUDA/Triton kernels or its pure-torch path) depends on what is installed, and the output says
+which.
 """
 
 import argparse
@@ -27,7 +31,10 @@ from hax_jax.generate import generate
 from hax_jax.models.lm import LanguageModel
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"mamba2_130m": "configs/mamba2_130m.py", "hax_mamba2_130m": "configs/hax_130m.py"}
+MODELS = {
+    "mamba2_130m": "configs/released.py:mamba2_130m",
+    "hax_mamba2_130m": "configs/hax_130m.py",
+}
 
 
 def best_time(fn, repeats: int) -> float:

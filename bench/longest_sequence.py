@@ -23,9 +23,17 @@ OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 def attempt(case: str, length: int, overrides: list[str], timeout: float) -> dict:
     """One step at `length` tokens a row in a fresh process: its result row, or why it failed."""
     command = [
-        sys.executable, str(ROOT / "bench/train_throughput.py"), "--cases", case, "--no-e2e",
-        "--steps", "2", "--set", f"data.seq_len={length}", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "bench/train_throughput.py"),
+        "--cases",
+        case,
+        "--no-e2e",
+        "--steps",
+        "2",
+        "--set",
+        f"data.seq_len={length}",
+        *overrides,
+    ]
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
@@ -38,8 +46,12 @@ def attempt(case: str, length: int, overrides: list[str], timeout: float) -> dic
     rows = [line for line in run.stdout.splitlines() if line.startswith(f"| {case} |")]
     if run.returncode == 0 and rows:
         cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
-        return {"length": length, "step_ms": cells[4], "tokens_per_s": cells[6],
-                "peak_gib": cells[9]}  # fmt: skip
+        return {
+            "length": length,
+            "step_ms": cells[4],
+            "tokens_per_s": cells[6],
+            "peak_gib": cells[9],
+        }
     log = run.stdout + run.stderr
     why = "out of memory" if any(s in log for s in OUT_OF_MEMORY) else "error"
     last = [line for line in log.splitlines() if line.strip()][-1:] or [""]
@@ -54,15 +66,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per attempt")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"\n{args.case} {' '.join(args.set)}\n\n| tokens a row | step ms | tokens/s | peak GiB "
-          "per device |\n| ---: | ---: | ---: | --- |", flush=True)  # fmt: skip
+    print(
+        f"\n{args.case} {' '.join(args.set)}\n\n| tokens a row | step ms | tokens/s | peak GiB "
+        "per device |\n| ---: | ---: | ---: | --- |",
+        flush=True,
+    )
     for length in lengths:
         r = attempt(args.case, length, args.set, args.timeout)
         if "failed" in r:
             print(f"| {length:,} | | | did not fit: {r['failed']} |", flush=True)
             break
-        print(f"| {length:,} | {r['step_ms']} | {r['tokens_per_s']} | {r['peak_gib']} |",
-              flush=True)  # fmt: skip
+        print(
+            f"| {length:,} | {r['step_ms']} | {r['tokens_per_s']} | {r['peak_gib']} |", flush=True
+        )
 
 
 if __name__ == "__main__":

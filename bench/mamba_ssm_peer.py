@@ -2,8 +2,9 @@
 
 Prepare the checkout once on this machine (it is git-ignored and carried to the GPU machine):
 
-    git -C MAMBA archive HEAD mamba_ssm/ops/triton mamba_ssm/utils csrc/selective_scan | tar -x -C .peer
-    git -C MAMBA show HEAD:mamba_ssm/ops/selective_scan_interface.py > .peer/selective_scan_interface.py
+    git -C MAMBA archive HEAD mamba_ssm/ops/triton mamba_ssm/utils csrc/selective_scan | tar -x -C
+    .peer git -C MAMBA show HEAD:mamba_ssm/ops/selective_scan_interface.py >
+    .peer/selective_scan_interface.py
 
 MAMBA being a clone of state-spaces/mamba. The Triton SSD needs torch + triton; the CUDA selective
 scan is compiled there with torch's cpp_extension (sm_90, about two minutes) into --build-dir.
@@ -102,7 +103,7 @@ def _build(peer_dir, build_dir):
             "arch=compute_90,code=sm_90",
             "--threads",
             "8",
-        ],  # fmt: skip
+        ],
         extra_include_paths=[src],
         build_directory=build_dir,
         verbose=False,

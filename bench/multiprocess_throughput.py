@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import CASES, token_file
+from bench.train_throughput import CASES, token_file  # noqa: E402
 
 
 def free_port() -> int:

@@ -12,14 +12,22 @@ means over --reps back-to-back calls synchronised once (bench/timing.py).
 """
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from bench.timing import jax_callable, kernel_times_us, median_ms, parse_config, pipelined_ms
+from bench.timing import (
+    compare_to_peer,
+    emit,
+    jax_callable,
+    kernel_summary_us,
+    median_ms,
+    parse_config,
+    pipelined_ms,
+    write_rows,
+)
 from pallas_kernels.selective_scan import BlockSizes, selective_scan
 
 SHAPES = [(8, 2048, 1536, 16), (2, 8192, 5120, 16)]
@@ -111,9 +119,7 @@ def main():
                 row[f"pallas_{name}_ms"] = median_ms(fn, args.reps, jax_sync)
                 row[f"pipelined_{name}_ms"] = pipelined_ms(fn, args.reps, jax_sync)
                 if args.profile:
-                    row[f"kernels_{name}_us"] = {
-                        k: round(v, 1) for k, v in kernel_times_us(fn).items() if v >= 1.0
-                    }
+                    row[f"kernels_{name}_us"] = kernel_summary_us(fn)
             if not args.no_associative:
                 fn = jax_case(inp, backward, "associative")
                 row["associative_ms"] = median_ms(fn, args.reps, jax_sync)
@@ -121,20 +127,9 @@ def main():
                 fn = torch_case(inp, backward, peer_fn)
                 row["mamba_ssm_cuda_ms"] = median_ms(fn, args.reps, torch_sync)
                 row["pipelined_mamba_ssm_cuda_ms"] = pipelined_ms(fn, args.reps, torch_sync)
-            row["pallas_best_ms"] = min(v for k, v in row.items() if k.startswith("pallas_"))
-            if "mamba_ssm_cuda_ms" in row:
-                row["ratio_vs_mamba_ssm"] = row["pallas_best_ms"] / row["mamba_ssm_cuda_ms"]
-                best_pipelined = min(
-                    v for k, v in row.items() if k.startswith("pipelined_") and "mamba" not in k
-                )
-                row["pipelined_ratio_vs_mamba_ssm"] = (
-                    best_pipelined / row["pipelined_mamba_ssm_cuda_ms"]
-                )
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+            compare_to_peer(row, "mamba_ssm_cuda_ms")
+            emit(rows, row)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.sparse_attention import sparse_attention  # noqa: E402
+from pallas_kernels.sparse_attention import sparse_attention
 
 BF16 = jnp.bfloat16
 
@@ -58,11 +58,21 @@ def pallas_ms(l, args, rng):
 
     def attend(q, k, v, hash_proj, key_scores):
         return sparse_attention(
-            q, k, v, pattern="lsh+ks", num_keys=args.num_keys, hash_proj=hash_proj,
-            key_scores=key_scores, binning="sign", impl="pallas", block_q=args.block_q,
-            block_k=args.block_k, block_e=args.block_e, num_warps=args.num_warps,
+            q,
+            k,
+            v,
+            pattern="lsh+ks",
+            num_keys=args.num_keys,
+            hash_proj=hash_proj,
+            key_scores=key_scores,
+            binning="sign",
+            impl="pallas",
+            block_q=args.block_q,
+            block_k=args.block_k,
+            block_e=args.block_e,
+            num_warps=args.num_warps,
             num_stages=args.num_stages,
-        )  # fmt: skip
+        )
 
     return median_ms(sum_grads(attend), (q, k, v, hash_proj, key_scores), args.repeats)
 

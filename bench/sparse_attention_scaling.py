@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.sparse_attention import (  # noqa: E402
+from pallas_kernels.sparse_attention import (
     SparseSpec,
     sparse_attention,
     sparse_attention_reference,
@@ -154,7 +154,8 @@ def section(rows, args):
             f"n = {args.n}, e = {args.e}, num_keys = {args.num_keys}, pattern `lsh+ks`, sign "
             f"binning with h = {args.hash_bits} (256 buckets). Time: median of {args.repeats} runs "
             "after one warm-up. Peak: the compiled executable's `memory_analysis()`, argument + "
-            "output + temp bytes (XLA's estimate, not a measured RSS). `dense` is the O(l^2) oracle "
+            "output + temp bytes (XLA's estimate, not a measured RSS). "
+            "`dense` is the O(l^2) oracle "
             "`sparse_attention_reference` (same pattern); its time is left out (—) where the "
             f"estimate exceeds {args.dense_budget_gib} GiB, and it is not compiled past "
             f"l = {args.dense_max}. `x prev` is the growth over the previous (half as long) row: "

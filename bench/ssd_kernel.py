@@ -14,13 +14,21 @@ back-to-back calls synchronised once (bench/timing.py): dispatch overlaps the GP
 """
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.timing import jax_callable, kernel_times_us, median_ms, parse_config, pipelined_ms
+from bench.timing import (
+    compare_to_peer,
+    emit,
+    jax_callable,
+    kernel_summary_us,
+    median_ms,
+    parse_config,
+    pipelined_ms,
+    write_rows,
+)
 from pallas_kernels.ssd import BlockSizes, ssd
 
 FWD_BWD = [(8, 2048, 24, 64, 128), (2, 8192, 80, 64, 128)]
@@ -123,28 +131,16 @@ def main():
                 row[f"error_{name}"] = str(err).splitlines()[0]
                 continue
             if args.profile:
-                row[f"kernels_{name}_us"] = {
-                    k: round(v, 1) for k, v in kernel_times_us(fn).items() if v >= 1.0
-                }
+                row[f"kernels_{name}_us"] = kernel_summary_us(fn)
         if not args.no_chunked:
             row["chunked_ms"] = median_ms(jax_case(inp, "chunked", backward), args.reps, jax_sync)
         if peer_fn is not None:
             fn = torch_case(inp, backward, peer_fn)
             row["mamba_ssm_ms"] = median_ms(fn, args.reps, torch_sync)
             row["pipelined_mamba_ssm_ms"] = pipelined_ms(fn, args.reps, torch_sync)
-        best = min(v for k, v in row.items() if k.startswith("pallas_"))
-        row["pallas_best_ms"] = best
-        if "mamba_ssm_ms" in row:
-            row["ratio_vs_mamba_ssm"] = best / row["mamba_ssm_ms"]
-            best_pipelined = min(
-                v for k, v in row.items() if k.startswith("pipelined_") and "mamba" not in k
-            )
-            row["pipelined_ratio_vs_mamba_ssm"] = best_pipelined / row["pipelined_mamba_ssm_ms"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+        compare_to_peer(row, "mamba_ssm_ms")
+        emit(rows, row)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

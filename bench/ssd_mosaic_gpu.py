@@ -5,22 +5,22 @@
 Issue #6 asks for whichever GPU backend measures faster. Times chunk_state and chunk_out, the
 forward's two matmul kernels, at the issue's shapes (b8, l2048, h24, p64, n128) and
 (b2, l8192, h80, p64, n128), chunk 256, bf16, one group: each a jitted call that prepares the
-inputs (kernel.Prepared) and runs one kernel on the same values; chunk_out is given the same
+inputs (pallas.Prepared) and runs one kernel on the same values; chunk_out is given the same
 incoming states. Prints sync / pipelined ms (bench/timing.py), the largest difference between
 the two kernels' outputs, and with --profile the kernels' own GPU times.
 """
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 
 from bench.ssd_kernel import CHUNK, FWD_BWD, make_inputs
-from bench.timing import kernel_times_us, median_ms, pipelined_ms
+from bench.timing import emit, kernel_summary_us, median_ms, pipelined_ms, write_rows
 from pallas_kernels.ssd import kernel as triton
 from pallas_kernels.ssd import kernel_mgpu as mgpu
+from pallas_kernels.ssd import pallas
 from pallas_kernels.ssd.tiling import resolve_block_sizes
 
 KERNELS = {
@@ -33,7 +33,7 @@ def case(name, impl, sizes, h_in):
     """A jitted function of the raw inputs running one kernel (h_in: chunk_out's states)."""
 
     def run(x, dt, A, B, C, D):
-        prep = triton.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
+        prep = pallas.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
         if name == "chunk_state":
             return impl(prep, prep.x, prep.w_state * prep.dt, prep.B)
         return impl(prep, h_in)
@@ -45,9 +45,9 @@ def incoming_states(args, sizes):
     """The states entering each chunk (Triton path), chunk_out's input."""
 
     def run(x, dt, A, B, C, D):
-        prep = triton.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
+        prep = pallas.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
         S = triton.chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B)
-        return triton.pass_states(prep, S, triton.pad_state(prep, None))[0]
+        return triton.pass_states(prep, S, pallas.pad_state(prep, None))[0]
 
     return jax.jit(run)(*args)
 
@@ -70,25 +70,20 @@ def main():
             row, outs = dict(shape=shape, kernel=name), []
             for backend, impl in zip(("triton", "mosaic_gpu"), impls, strict=True):
                 fn = case(name, impl, sizes, h_in)
-                call = lambda fn=fn: fn(*arrays)  # noqa: E731
+                call = lambda fn=fn, arrays=arrays: fn(*arrays)  # noqa: E731
                 outs.append(sync(call()).astype(jnp.float32))
                 row[f"{backend}_ms"] = median_ms(call, args.reps, sync)
                 row[f"{backend}_pipelined_ms"] = pipelined_ms(call, args.reps, sync)
                 if args.profile:
-                    row[f"{backend}_kernels_us"] = {
-                        k: round(v, 1) for k, v in kernel_times_us(call).items() if v >= 1.0
-                    }
+                    row[f"{backend}_kernels_us"] = kernel_summary_us(call)
             row["max_abs_diff"] = float(jnp.max(jnp.abs(outs[0] - outs[1])))
             row["max_abs_triton"] = float(jnp.max(jnp.abs(outs[0])))
             row["ratio_mosaic_gpu_vs_triton"] = row["mosaic_gpu_ms"] / row["triton_ms"]
             row["pipelined_ratio_mosaic_gpu_vs_triton"] = (
                 row["mosaic_gpu_pipelined_ms"] / row["triton_pipelined_ms"]
             )
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
+            emit(rows, row)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

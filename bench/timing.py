@@ -1,9 +1,10 @@
 """Timing helpers shared by the kernel benchmarks: synchronised medians, pipelined means,
-per-kernel GPU times from the JAX profiler, the collectives of a compiled program, and
-`name:key=value,...` tuning configurations."""
+per-kernel GPU times from the JAX profiler, the collectives of a compiled program,
+`name:key=value,...` tuning configurations, and the rows the benchmarks print and write."""
 
 import collections
 import glob
+import json
 import re
 import statistics
 import tempfile
@@ -87,6 +88,36 @@ _COLLECTIVE = re.compile(
 )
 _ARRAY = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
 _BITS = re.compile(r"\d+$")
+
+
+def kernel_summary_us(fn):
+    """`kernel_times_us(fn)` of the kernels that take at least 1 us, rounded to 0.1 us."""
+    return {k: round(v, 1) for k, v in kernel_times_us(fn).items() if v >= 1.0}
+
+
+def compare_to_peer(row: dict, peer_ms: str) -> None:
+    """Adds to `row` pallas_best_ms (its fastest pallas_* time) and, when it holds the peer's
+    time `peer_ms` (and "pipelined_" + peer_ms), the ratios to it, synchronised and pipelined."""
+    row["pallas_best_ms"] = min(v for k, v in row.items() if k.startswith("pallas_"))
+    if peer_ms in row:
+        row["ratio_vs_mamba_ssm"] = row["pallas_best_ms"] / row[peer_ms]
+        best_pipelined = min(
+            v for k, v in row.items() if k.startswith("pipelined_") and "mamba" not in k
+        )
+        row["pipelined_ratio_vs_mamba_ssm"] = best_pipelined / row[f"pipelined_{peer_ms}"]
+
+
+def emit(rows: list, row: dict) -> None:
+    """Keeps `row` and prints it as one JSON line."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def write_rows(path: str | None, rows: list) -> None:
+    """The rows and the device kind as JSON at `path` (a benchmark's --json), if given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
 
 
 def collectives_by_kind(hlo: str) -> dict[str, tuple[int, int]]:

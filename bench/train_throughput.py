@@ -1,15 +1,17 @@
 """Training throughput of train.py's jitted step: steps/s and tokens/s on the current device.
 
-    python bench/train_throughput.py [--cases jr_hax,lm_hax_130m] [--steps 20] [--write BENCHMARKS.md]
+    python bench/train_throughput.py [--cases jr_hax,lm_hax_130m] [--steps 20] [--write
+    BENCHMARKS.md]
         [--set mesh.data=1 mesh.seq=2 ...]
 
-Per case: train.Trainer builds the state and data exactly as `python train.py` would; one batch is fetched,
-the step is compiled and run once, then --steps steps run back to back on that batch (pure step time, data
-loading excluded), timed to the last result. `e2e` is train.py's own tokens/s (its metrics.jsonl) over a
-short real run with fresh batches every step, data generation and host transfer included. `--set`
-applies config overrides to every case (e.g. a mesh); `peak GiB` is the largest peak_bytes_in_use of
-the mesh's devices since the process started (run one case per process to read it per case).
-`--collectives` lists the collectives of the compiled step by kind: count and bytes moved per step.
+Per case: train.Trainer builds the state and data exactly as `python train.py` would; one batch is
+fetched, the step is compiled and run once, then --steps steps run back to back on that batch (pure
+step time, data loading excluded), timed to the last result. `e2e` is train.py's own tokens/s (its
+metrics.jsonl) over a short real run with fresh batches every step, data generation and host
+transfer included. `--set` applies config overrides to every case (e.g. a mesh); `peak GiB` is the
+largest peak_bytes_in_use of the mesh's devices since the process started (run one case per process
+to read it per case). `--collectives` lists the collectives of the compiled step by kind: count and
+bytes moved per step.
 """
 
 import argparse
@@ -27,9 +29,9 @@ import numpy as np
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train
-from bench import timing
-from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
+import train  # noqa: E402
+from bench import timing  # noqa: E402
+from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs  # noqa: E402
 
 LM = ["data.batch_size=8", "data.seq_len=2048"]
 BIG_LM = ["model.dtype=bfloat16", "data.task=tokens", "data.document_boundaries=false"]
@@ -42,12 +44,16 @@ CASES = {
     "lm_mamba2_130m_b1": ["configs/hax_130m.py", "model.sparse.pattern=", *LM, "data.batch_size=1"],
     # Long rows, one per step (sequence parallelism: add --set mesh.data=1 mesh.seq=2).
     "lm_mamba2_130m_32k": [
-        "configs/hax_130m.py", "model.sparse.pattern=", "data.batch_size=1", "data.seq_len=32768"
+        "configs/hax_130m.py",
+        "model.sparse.pattern=",
+        "data.batch_size=1",
+        "data.seq_len=32768",
     ],
     "lm_hax_mamba2_130m_64k": ["configs/hax_130m.py", "data.batch_size=1", "data.seq_len=65536"],
-    # The released Mamba-2 1.3B / 2.7B architectures, as LMs on 2048-token rows (tensor=2: issue 18).
-    "lm_mamba2_1_3b": ["configs/mamba2_1_3b.py", *BIG_LM, *LM],
-    "lm_mamba2_2_7b": ["configs/mamba2_2_7b.py", *BIG_LM, *LM],
+    # The released Mamba-2 1.3B / 2.7B architectures, as LMs on 2048-token rows (tensor=2: issue
+    # 18).
+    "lm_mamba2_1_3b": ["configs/released.py:mamba2_1_3b", *BIG_LM, *LM],
+    "lm_mamba2_2_7b": ["configs/released.py:mamba2_2_7b", *BIG_LM, *LM],
     # The same models on the pure-JAX paths (impl="auto" takes the Pallas kernels on a GPU).
     "lm_mamba2_130m_purejax": [
         "configs/hax_130m.py",
@@ -165,15 +171,24 @@ def main() -> None:
     args = parser.parse_args()
     device = jax.devices()[0]
     header = (
-        f"\n### train step throughput: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
-        f"{platform.node()}\n\n| case | config | batch | compile s | step ms | steps/s | tokens/s "
-        "| e2e tokens/s | mesh | peak GiB |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        f"\n### train step throughput: {device.device_kind} ({device.platform}), "
+        f"jax {jax.__version__}, {platform.node()}\n\n"
+        "| case | config | batch | compile s | step ms | steps/s | tokens/s "
+        "| e2e tokens/s | mesh | peak GiB |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.cases.split(","):
-            r = measure(name, args.steps, Path(scratch), e2e=not args.no_e2e, extra=args.set,
-                        profile=args.profile, collectives=args.collectives)
+            r = measure(
+                name,
+                args.steps,
+                Path(scratch),
+                e2e=not args.no_e2e,
+                extra=args.set,
+                profile=args.profile,
+                collectives=args.collectives,
+            )
             rows.append(
                 f"| {r['case']} | `{r['config']}` | {r['batch']} | {r['compile_s']:.1f} | "
                 f"{r['step_ms']:.2f} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:,.0f} | "

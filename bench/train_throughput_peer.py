@@ -1,11 +1,12 @@
-"""The peer of bench/train_throughput.py's lm_mamba2_130m case: transformers' Mamba2ForCausalLM training step.
+"""The peer of bench/train_throughput.py's lm_mamba2_130m case: transformers' Mamba2ForCausalLM
+training step.
 
     python bench/train_throughput_peer.py [--steps 10]
 
 The same architecture (mamba2_130m: d_model 768, 24 layers, d_state 128, headdim 64, vocab 50288),
---batch x 2048 random tokens (8 = the case's batch), fp32 parameters with bf16 autocast, AdamW, clip 1.0.
-Whether transformers runs its CUDA/Triton kernels or its pure-torch path depends on what is installed;
-the printed line says which.
+--batch x 2048 random tokens (8 = the case's batch), fp32 parameters with bf16 autocast, AdamW, clip
+1.0. Whether transformers runs its CUDA/Triton kernels or its pure-torch path depends on what is
+installed; the printed line says which.
 """
 
 import argparse
@@ -59,7 +60,8 @@ def main() -> None:
     fast = getattr(m, "is_fast_path_available", None)
     print(
         f"| hf_mamba2_130m (torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"fast path {fast}) | {args.batch} x 2048 | {ms:.2f} ms | {args.batch * 2048 / ms * 1e3:,.0f} tokens/s | "
+        f"fast path {fast}) | {args.batch} x 2048 | {ms:.2f} ms | "
+        f"{args.batch * 2048 / ms * 1e3:,.0f} tokens/s | "
         f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB | loss {loss.item():.3f} |"
     )
 

@@ -1,9 +1,10 @@
 """HAX continual pre-training of a released Mamba (HAX paper §5.2, App. D.2).
 
 Convert the checkpoint first (`python -m hax_jax.convert mamba-130m-hf out/mamba-130m`), then
-`python train.py configs/continual_pretraining.py train.init_from=out/mamba-130m data.path=tokens.bin`.
-`configs/continual_pretraining.py:790m` gives the 790M model and its peak lr. Every parameter of the
-checkpoint is loaded; the new HAX branch starts from its init, its q/k projections from the SSM's B/C.
+`python train.py configs/continual_pretraining.py train.init_from=out/mamba-130m
+data.path=tokens.bin`. `configs/continual_pretraining.py:790m` gives the 790M model and its peak lr.
+Every parameter of the checkpoint is loaded; the new HAX branch starts from its init, its q/k
+projections from the SSM's B/C.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ def get_config(size: str = "130m"):
     """Mamba + lsh+ks (64 keys); 200 steps at lr 0, 800 of warmup, cosine to 1e-5; batch 64 x 2K."""
     if size not in PEAK_LR:
         raise ValueError(f"unknown size {size!r}; known: {tuple(PEAK_LR)}")
-    cfg = load_config_file(Path(__file__).with_name(f"mamba_{size}.py"))
+    cfg = load_config_file(f"{Path(__file__).with_name('released.py')}:mamba_{size}")
     model = dataclasses.replace(
         cfg.model,
         dtype="bfloat16",

@@ -1,7 +1,8 @@
 """HAX-Mamba-2 130M: the released Mamba-2 130M with an lsh+ks sparse branch in every layer.
 
-For language modelling on a token file: `python train.py configs/hax_130m.py data.path=tokens.bin`. The
-sparse branch takes no document boundaries, so rows are plain 2048-token windows (as in HAX §5.2).
+For language modelling on a token file: `python train.py configs/hax_130m.py data.path=tokens.bin`.
+The sparse branch takes no document boundaries, so rows are plain 2048-token windows (as in HAX
+§5.2).
 """
 
 import dataclasses
@@ -11,8 +12,9 @@ from hax_jax.config import DataConfig, OptimConfig, SparseConfig, TrainConfig, l
 
 
 def get_config():
-    """mamba2_130m + SparseConfig(lsh+ks, 64 keys); AdamW (0.9, 0.95), WD 0.1, cosine to 1e-5."""
-    cfg = load_config_file(Path(__file__).with_name("mamba2_130m.py"))
+    """released.py:mamba2_130m + SparseConfig(lsh+ks, 64 keys); AdamW (0.9, 0.95), WD 0.1, cosine to
+    1e-5."""
+    cfg = load_config_file(f"{Path(__file__).with_name('released.py')}:mamba2_130m")
     model = dataclasses.replace(
         cfg.model,
         dtype="bfloat16",

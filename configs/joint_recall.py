@@ -1,10 +1,12 @@
-"""The HAX paper's multi-query joint-recall grid (§5.1, App. D.1): `configs/joint_recall.py:<variant>`.
+"""The HAX paper's multi-query joint-recall grid (§5.1, App. D.1):
+`configs/joint_recall.py:<variant>`.
 
-Variants: `<base>,<sparse>` with base in {mamba, mamba2} and sparse in SPARSE below (the paper's names);
-`<base>,double` (no branch, doubled width, for a fair parameter count); and `samba`. Widths follow the HAX
-code's configs (d_model 64, 2 layers; Mamba d_state 16, Mamba-2 d_state 32 with 8 heads of 16). Samba uses
-d_model 64 and window 64 as the paper states (the code's samba.json says hidden_size 32).
-PAPER_ACCURACY holds the paper's Table 1 for `python -m hax_jax.sweep configs/joint_recall.py`.
+Variants: `<base>,<sparse>` with base in {mamba, mamba2} and sparse in SPARSE below (the paper's
+names); `<base>,double` (no branch, doubled width, for a fair parameter count); and `samba`. Widths
+follow the HAX code's configs (d_model 64, 2 layers; Mamba d_state 16, Mamba-2 d_state 32 with 8
+heads of 16). Samba uses d_model 64 and window 64 as the paper states (the code's samba.json says
+hidden_size 32). PAPER_ACCURACY holds the paper's Table 1 for `python -m hax_jax.sweep
+configs/joint_recall.py`.
 """
 
 import dataclasses
@@ -46,7 +48,8 @@ PAPER_ACCURACY = {
 
 
 def _base(d_model: int, base: str) -> ModelConfig:
-    """The HAX code's 2-layer Mamba / Mamba-2 on the joint-recall vocabulary (100 tokens, tied embeddings)."""
+    """The HAX code's 2-layer Mamba / Mamba-2 on the joint-recall vocabulary (100 tokens, tied
+    embeddings)."""
     return ModelConfig(
         d_model=d_model,
         n_layer=2,
@@ -54,7 +57,8 @@ def _base(d_model: int, base: str) -> ModelConfig:
         pad_vocab_size_multiple=1,
         block_pattern=(base,),
         tie_embeddings=True,  # the HAX trainer's logits use the embedding matrix
-        dtype="bfloat16",  # the HAX trainer runs the model in bf16 (here: bf16 compute, fp32 params)
+        # The HAX trainer runs the model in bf16 (here: bf16 compute, fp32 params).
+        dtype="bfloat16",
         residual_in_fp32=base == "mamba2",
         mamba=MambaConfig(d_state=16, dt_rank=8),
         mamba2=Mamba2Config(d_state=32, headdim=d_model // 4, chunk_size=256),

@@ -1,7 +1,8 @@
 """The main job: HAX (lsh+ks) on Mamba-2, on a joint recall small enough for one CPU in minutes.
 
-The paper's grid cell `configs/joint_recall.py:mamba2,hax` with fewer contexts and keys (up to 4 x 4, so
-sequences of 73 tokens instead of 1057), a shorter warmup and fewer steps. Chance accuracy is 1/16.
+The paper's grid cell `configs/joint_recall.py:mamba2,hax` with fewer contexts and keys (up to 4 x
+4, so sequences of 73 tokens instead of 1057), a shorter warmup and fewer steps. Chance accuracy is
+1/16.
 """
 
 import dataclasses

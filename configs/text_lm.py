@@ -1,7 +1,8 @@
 """A small Mamba-2 LM on a local text file, with a byte-level BPE trained on it (SPEC §4, §5).
 
-`python train.py configs/text_lm.py` trains on CPython's pydoc help topics (465 K characters of English,
-written to runs/data/ on first use); `configs/text_lm.py:<file.txt>` trains on your own file.
+`python train.py configs/text_lm.py` trains on CPython's pydoc help topics (465 K characters of
+English, written to runs/data/ on first use); `configs/text_lm.py:<file.txt>` trains on your own
+file.
 """
 
 from pathlib import Path

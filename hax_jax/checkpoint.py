@@ -1,5 +1,7 @@
-"""Pretrained-model directories: `config.json` (our ModelConfig) beside an orbax tree of parameters."""
+"""Pretrained-model directories: `config.json` (our ModelConfig) beside an orbax tree of parameters;
+training checkpoints; and the model surgery of loading a pretrained model into a larger one."""
 
+import math
 from pathlib import Path
 
 import grain  # also registers grain's orbax handler for data iterators
@@ -9,6 +11,7 @@ from flax import nnx
 
 from hax_jax import config as config_lib
 from hax_jax.config import ModelConfig
+from hax_jax.layers.hax_attention import init_qk_from_bc
 from hax_jax.models.lm import LanguageModel
 
 CONFIG_FILE = "config.json"
@@ -25,7 +28,8 @@ def abstract_model(cfg: ModelConfig) -> LanguageModel:
 
 
 def save_pretrained(model: LanguageModel, path: str | Path) -> None:
-    """Writes `path/config.json` and `path/params` (orbax); `path` must not hold a checkpoint yet."""
+    """Writes `path/config.json` and `path/params` (orbax); `path` must not hold a checkpoint
+    yet."""
     path = Path(path).absolute()
     if (path / PARAMS_DIR).exists():
         raise FileExistsError(
@@ -83,7 +87,8 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None) -> LanguageMo
 
 
 def load_for_eval(path: str | Path) -> tuple[LanguageModel, config_lib.Config, list[Path]]:
-    """A pretrained directory or a training workdir: (model, run config, tokenizer directories to try).
+    """A pretrained directory or a training workdir: (model, run config, tokenizer directories to
+    try).
 
     A workdir gives its best-by-validation parameters and its whole config (data settings included);
     a pretrained directory gives the default Config around its ModelConfig.
@@ -92,7 +97,8 @@ def load_for_eval(path: str | Path) -> tuple[LanguageModel, config_lib.Config, l
     if (path / PARAMS_DIR).exists() or not (path / "best").exists():
         if (path / "checkpoints").exists():
             raise FileNotFoundError(
-                f"workdir {str(path)!r} has no evaluated checkpoint yet ({path / 'best'} is missing); "
+                f"workdir {str(path)!r} has no evaluated checkpoint yet "
+                f"({path / 'best'} is missing); "
                 "eval.py reads the best parameters, which train.py keeps from its first evaluation"
             )
         model = load_pretrained(path)
@@ -115,8 +121,10 @@ def load_for_eval(path: str | Path) -> tuple[LanguageModel, config_lib.Config, l
 
 
 # ----------------------------------------------------------------------------- training runs
-# workdir/checkpoints/<step>/{state, data, config}: the TrainState, the data iterator (grain, one file per
-# process) and the resolved config. workdir/best/<step>/ keeps the parameters of the best validation score.
+# workdir/checkpoints/<step>/{state, data, config}: the TrainState, the data iterator (grain, one
+# file per process) and the resolved config. workdir/best/<step>/ keeps the parameters of the best
+# validation
+# score.
 
 
 def train_checkpointer(workdir: str | Path, keep: int) -> ocp.CheckpointManager:
@@ -192,7 +200,8 @@ def _diff(old, new, prefix: str) -> list[str]:
 
 
 def restore_train(manager, step: int, abstract_state, iterator):
-    """The state (placed as `abstract_state`'s shardings) and the iterator, both as saved at `step`."""
+    """The state (placed as `abstract_state`'s shardings) and the iterator, both as saved at
+    `step`."""
     restored = manager.restore(
         step,
         args=ocp.args.Composite(
@@ -206,8 +215,9 @@ def restore_train(manager, step: int, abstract_state, iterator):
 def restore_params(path: str | Path, target: dict) -> dict:
     """Parameters of a pretrained directory into `target` (abstract, with shardings).
 
-    Every parameter the checkpoint has must exist in `target` with the same shape; parameters only `target`
-    has (e.g. a HAX branch added to a released Mamba) keep their values from `target`'s init.
+    Every parameter the checkpoint has must exist in `target` with the same shape; parameters only
+    `target` has (e.g. a HAX branch added to a released Mamba) keep their values from `target`'s
+    init.
     """
     path = Path(path).absolute()
     if not (path / PARAMS_DIR).exists():
@@ -223,6 +233,35 @@ def restore_params(path: str | Path, target: dict) -> dict:
             )
         partial = _keep_paths(target, set(saved))
         return ckptr.restore(path / PARAMS_DIR, partial)
+
+
+def init_from(path: str | Path, params: dict, target: dict, model: ModelConfig) -> dict:
+    """`params` (fresh) with a pretrained directory's parameters put in (`restore_params` into
+    `target`, their abstract twin); a Mamba-1 layer's new HAX branch gets its q/k projection from
+    the SSM's B / C."""
+    loaded = restore_params(path, target)
+    return _qk_from_bc(_overlay(params, loaded), loaded, model)
+
+
+def _qk_from_bc(params: dict, loaded: dict, model: ModelConfig) -> dict:
+    """Mamba-1 layers given a new HAX branch: its q/k projection from x_proj's C / B (HAX App.
+    D.2)."""
+    dt_rank = model.mamba.dt_rank or math.ceil(model.d_model / 16)
+    for key, layer in params["layers"].items():
+        mixer, had = layer["mixer"], loaded.get("layers", {}).get(key, {}).get("mixer", {})
+        if "x_proj" in mixer and "branch" in mixer and "branch" not in had:
+            mixer["branch"]["qk_proj"]["kernel"] = init_qk_from_bc(
+                mixer["x_proj"]["kernel"], dt_rank=dt_rank, d_state=model.mamba.d_state
+            )
+    return params
+
+
+def _overlay(base: dict, top: dict) -> dict:
+    """`base` with the leaves of `top` (a sub-tree of it) put in."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _overlay(base[key], value) if isinstance(value, dict) else value
+    return out
 
 
 def _saved_shapes(ckptr, directory: Path) -> dict[str, tuple]:
@@ -247,7 +286,8 @@ def _mismatches(saved: dict[str, tuple], target: dict) -> list[str]:
 
 
 def _path(path) -> str:
-    """ "layers/0/mixer/A_log" for a tree path (a checkpoint's metadata has str keys, models int keys)."""
+    """ "layers/0/mixer/A_log" for a tree path (a checkpoint's metadata has str keys, models int
+    keys)."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 

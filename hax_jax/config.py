@@ -1,215 +1,62 @@
-"""Typed, frozen configs, `key=value` overrides, and JSON round trips.
+"""Typed, frozen configs of a run, `key=value` overrides, JSON round trips and config files.
 
-Every field has a default and a comment; cross-field invariants live in `__post_init__`. Field names
-follow mamba_ssm (`d_model n_layer d_state d_conv expand headdim ngroups chunk_size vocab_size`).
+The model's configs live in model_config.py and are re-exported here: `from hax_jax.config import X`
+reaches every config. Every field has a default and a comment; cross-field invariants live in
+`__post_init__`.
 """
 
 import dataclasses
 import importlib.util
 import json
-import math
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pallas_kernels.sparse_attention import SparseSpec
+from hax_jax.model_config import (
+    DEFAULT_CAPACITY,
+    LOGITS_BUDGET,
+    MIXER_KINDS,
+    REMAT_MIN_LEN,
+    AttentionConfig,
+    InfiniConfig,
+    Mamba2Config,
+    MambaConfig,
+    MlpConfig,
+    ModelConfig,
+    SparseConfig,
+)
 
-MIXER_KINDS = ("mamba", "mamba2", "attention", "swa", "mlp", "infini")
-# Tokens a decode cache holds unless init_cache is asked for more (full attention's KV buffer and the
-# sparse branch's key/value buffers grow with it; SSM states, windows and memories do not).
-DEFAULT_CAPACITY = 4096
-# remat="auto" recomputes every block in the backward for rows of at least this many tokens. The
-# 130M step at 1 x 32768 tokens held 35 GiB on one GPU (ENV.md; ~1.1 MB a token, mostly saved
-# activations), so from 8192 tokens a row a batch of 8 rows outgrows an 80 GB GPU, while the
-# 8 x 2048 steps fit and are spared the extra forward. H200, Mamba-2 130M, 1 x 32768, whole-row
-# loss: 118.8 ms / 35.0 GiB without remat, 145.4 ms / 13.1 GiB with.
-REMAT_MIN_LEN = 8192
-# loss_chunk=0 (auto): the most fp32 logits (b, l, padded vocab) one device computes at once. The
-# 130M step at 8 x 2048 (3.3 GB at a 50288 vocab) stays whole; 1 x 1M tokens (211 GB) goes in 64
-# chunks. H200, 1 x 32768 with remat: 2 chunks 152.1 ms / 8.7 GiB, whole rows 145.4 ms / 13.1 GiB.
-LOGITS_BUDGET = 4 * 2**30
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SparseConfig:
-    """The sparse-attention branch beside every mamba / mamba2 mixer (HAX paper §4; SPEC §1.3)."""
-
-    pattern: str = ""  # "" = no branch; else '+'-joined components ("lsh+ks" = HAX; see SparseSpec)
-    num_keys: int = 64  # keys per query over all components; each gets num_keys // n_components
-    hash_bits: int = 8  # lsh: h random projections (2^h sign-bit buckets, or h argmax buckets)
-    binning: Literal["sign", "argmax"] = "sign"  # lsh bucket rule (paper eqs. 6-7)
-    max_len: int = 1058  # dilated: dilation = max_len // (keys per component)
-    rank_loss_weight: float = 0.1  # alpha in L = L_task + alpha * sum_layers L_rank
-    eval_hash_seed: int = 0  # the fixed hash projection used in evaluation
-    official_code: bool = (
-        False  # the official code's (leaky, dense) behaviours instead of the paper's
-    )
-    impl: Literal["auto", "indexed", "pallas"] = "auto"  # op impl; auto: Pallas on GPU
-
-    def __post_init__(self):
-        """A set pattern must describe a valid attention: building its spec checks every setting."""
-        if self.pattern:
-            _ = self.spec
-
-    @property
-    def spec(self) -> SparseSpec:
-        """The attention these settings describe; a ValueError naming model.sparse if invalid."""
-        try:
-            return SparseSpec(
-                self.pattern,
-                self.num_keys,
-                hash_bits=self.hash_bits,
-                binning=self.binning,
-                max_len=self.max_len,
-                official_code=self.official_code,
-            )
-        except ValueError as err:
-            raise ValueError(f"model.sparse: {err}") from None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AttentionConfig:
-    """Multi-head causal attention with RoPE ("attention"), and its sliding-window form ("swa")."""
-
-    n_heads: int = 4  # query/key/value heads
-    head_dim: int | None = None  # None = d_model // n_heads
-    rope_theta: float = 10000.0  # RoPE base
-    window: int = 64  # swa: each query sees itself and the window - 1 keys before it
-    qkv_bias: bool = False  # bias in the q/k/v projections
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MlpConfig:
-    """The SwiGLU MLP block ("mlp")."""
-
-    hidden_ratio: float = (
-        4.0  # d_ff = 2/3 * hidden_ratio * d_model, rounded up to a multiple of 256 ...
-    )
-    d_ff: int | None = None  # ... unless given here
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class InfiniConfig:
-    """Infini-attention ("infini"): local causal attention per segment plus a compressive memory."""
-
-    n_heads: int = 4  # heads, each with its own memory and gate
-    head_dim: int | None = None  # None = d_model // n_heads
-    segment_len: int = 64  # N: tokens per segment
-    update: Literal["linear", "delta"] = "linear"  # memory update rule (Infini paper eqs. 8-9)
-    rope_theta: float = 10000.0  # RoPE for the local attention only
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MambaConfig:
-    """The Mamba-1 (S6) mixer (mamba_ssm `Mamba`)."""
-
-    d_state: int = 16  # SSM state size N
-    d_conv: int = 4  # depthwise causal conv width
-    expand: int = 2  # d_inner = expand * d_model
-    dt_rank: int | None = None  # rank R of the dt projection; None = ceil(d_model / 16)
-    dt_min: float = 1e-3  # dt init: log-uniform in [dt_min, dt_max] ...
-    dt_max: float = 0.1
-    dt_init_floor: float = 1e-4  # ... clamped below at this floor
-    dt_scale: float = 1.0  # dt_proj weight init bound = dt_scale / sqrt(R)
-    conv_bias: bool = True  # bias in the conv
-    bias: bool = False  # bias in in_proj and out_proj
-    scan_impl: Literal["auto", "reference", "associative", "pallas"] = "auto"  # auto: Pallas on GPU
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Mamba2Config:
-    """The Mamba-2 (SSD) mixer (mamba_ssm `Mamba2`)."""
-
-    d_state: int = 128  # SSM state size N
-    d_conv: int = 4  # depthwise causal conv width (over x, B and C)
-    expand: int = 2  # d_inner = expand * d_model
-    headdim: int = 64  # P; n_heads = d_inner // headdim
-    ngroups: int = 1  # G groups of B and C shared by n_heads // G heads each
-    A_init_range: tuple[float, float] = (1.0, 16.0)  # -A init: uniform in this range
-    dt_min: float = 1e-3  # dt init: log-uniform in [dt_min, dt_max] ...
-    dt_max: float = 0.1
-    dt_init_floor: float = 1e-4  # ... clamped below at this floor
-    dt_limit: tuple[float, float] = (0.0, math.inf)  # dt = clip(softplus(dt + dt_bias), *dt_limit)
-    conv_bias: bool = True  # bias in the conv
-    bias: bool = False  # bias in in_proj and out_proj
-    chunk_size: int = 256  # SSD chunk length Q (any sequence length works; padded internally)
-    ssd_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"  # auto: Pallas on GPU
-
-    def __post_init__(self):
-        if self.chunk_size < 1:
-            raise ValueError(f"mamba2.chunk_size must be positive, got {self.chunk_size}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """The language model: embeddings -> blocks -> final norm -> head."""
-
-    d_model: int = 768  # residual width
-    n_layer: int = 24  # number of residual blocks
-    vocab_size: int = 50277  # real vocabulary; token ids must be below this
-    pad_vocab_size_multiple: int = 8  # embedding rows = vocab_size rounded up to this multiple
-    block_pattern: tuple[str, ...] = ("mamba",)  # mixer kinds, repeated cyclically over the layers
-    tie_embeddings: bool = True  # the head reuses the embedding matrix
-    residual_in_fp32: bool = True  # keep the residual stream in fp32 whatever the compute dtype
-    norm_eps: float = 1e-5  # RMSNorm epsilon (block norms, final norm, Mamba-2 gated norm)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype; params are fp32
-    # The backward's memory: "block" keeps each residual block's input only and recomputes the
-    # rest of the block; "none" keeps what autodiff saves; "auto" = "block" for rows of at least
-    # REMAT_MIN_LEN tokens.
-    remat: Literal["auto", "none", "block"] = "auto"
-    # Positions per row whose logits the loss computes at once (more wait in a scan under
-    # jax.checkpoint, so neither pass holds (b, l, vocab) logits); 0 = auto, under LOGITS_BUDGET.
-    loss_chunk: int = 0
-    mamba: MambaConfig = MambaConfig()  # settings of every "mamba" layer
-    mamba2: Mamba2Config = Mamba2Config()  # settings of every "mamba2" layer
-    sparse: SparseConfig = (
-        SparseConfig()
-    )  # the sparse-attention branch of every mamba / mamba2 layer
-    attention: AttentionConfig = AttentionConfig()  # settings of every "attention" / "swa" layer
-    mlp: MlpConfig = MlpConfig()  # settings of every "mlp" layer
-    infini: InfiniConfig = InfiniConfig()  # settings of every "infini" layer
-
-    def __post_init__(self):
-        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.loss_chunk < 0:
-            raise ValueError(f"model.loss_chunk must be >= 0 (0 = auto), got {self.loss_chunk}")
-        if not self.block_pattern:
-            raise ValueError("model.block_pattern must name at least one mixer kind")
-        for kind in self.block_pattern:
-            if kind not in MIXER_KINDS:
-                raise ValueError(
-                    f"unknown mixer kind {kind!r} in model.block_pattern; known: {MIXER_KINDS}"
-                )
-        if self.n_layer % len(self.block_pattern):
-            raise ValueError(
-                f"model.n_layer={self.n_layer} must be a multiple of "
-                f"len(model.block_pattern)={len(self.block_pattern)}"
-            )
-        if "mamba2" in self.block_pattern:
-            m2 = self.mamba2
-            d_inner = m2.expand * self.d_model
-            if d_inner % m2.headdim:
-                raise ValueError(
-                    f"d_inner={d_inner} must be a multiple of mamba2.headdim={m2.headdim}"
-                )
-            if (d_inner // m2.headdim) % m2.ngroups:
-                raise ValueError(
-                    f"n_heads={d_inner // m2.headdim} must be a multiple of mamba2.ngroups={m2.ngroups}"
-                )
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Embedding rows: vocab_size rounded up to pad_vocab_size_multiple."""
-        m = self.pad_vocab_size_multiple
-        return -(-self.vocab_size // m) * m
-
-    @property
-    def mixer_kinds(self) -> tuple[str, ...]:
-        """The mixer kind of every layer."""
-        return tuple(self.block_pattern[i % len(self.block_pattern)] for i in range(self.n_layer))
+__all__ = [
+    "AttentionConfig",
+    "Config",
+    "DEFAULT_CAPACITY",
+    "DataConfig",
+    "InfiniConfig",
+    "JointRecallConfig",
+    "LOGITS_BUDGET",
+    "MIXER_KINDS",
+    "MOVED_KEYS",
+    "Mamba2Config",
+    "MambaConfig",
+    "MeshConfig",
+    "MlpConfig",
+    "ModelConfig",
+    "MqarConfig",
+    "OptimConfig",
+    "REMAT_MIN_LEN",
+    "SparseConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "from_dict",
+    "load_config_file",
+    "load_config_module",
+    "load_json",
+    "migrate_dict",
+    "parse_value",
+    "save_json",
+    "to_dict",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -290,7 +137,8 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """The device mesh ("data", "seq", "tensor"); at most one size may be -1 (= the devices left)."""
+    """The device mesh ("data", "seq", "tensor"); at most one size may be -1 (= the devices
+    left)."""
 
     data: int = -1  # batch sharding
     seq: int = 1  # sequence sharding of activations
@@ -455,7 +303,8 @@ def to_dict(cfg: Any) -> dict:
 
 
 def from_dict(cls: type, data: dict, *, where: str = "") -> Any:
-    """Builds dataclass `cls` from a nested dict (as written by `to_dict`); unknown keys are errors."""
+    """Builds dataclass `cls` from a nested dict (as written by `to_dict`); unknown keys are
+    errors."""
     hints = typing.get_type_hints(cls)
     unknown = set(data) - set(hints)
     if unknown:
@@ -497,7 +346,8 @@ def migrate_dict(data: dict) -> dict:
 
 
 def load_json(cls: type, path: str | Path) -> Any:
-    """Reads a config written by `save_json`; a damaged file is an error naming it, not a traceback."""
+    """Reads a config written by `save_json`; a damaged file is an error naming it, not a
+    traceback."""
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
@@ -506,14 +356,16 @@ def load_json(cls: type, path: str | Path) -> Any:
 
 
 def load_config_file(spec: str | Path) -> Config:
-    """Runs `configs/<name>.py` and returns its `get_config()`; `configs/<name>.py:<arg>` passes `arg`."""
+    """Runs `configs/<name>.py` and returns its `get_config()`; `configs/<name>.py:<arg>` passes
+    `arg`."""
     path_text, _, arg = str(spec).partition(".py:")
     module = load_config_module(path_text + ".py" if arg else spec)
     return module.get_config(arg) if arg else module.get_config()
 
 
 def load_config_module(path: str | Path) -> types.ModuleType:
-    """The module of a config file (its get_config(), and a grid's VARIANTS); errors name the file."""
+    """The module of a config file (its get_config(), and a grid's VARIANTS); errors name the
+    file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")

@@ -1,12 +1,15 @@
-"""Converts HF `MambaForCausalLM` / `Mamba2ForCausalLM` and original mamba_ssm checkpoints to hax_jax, and back.
+"""Converts HF `MambaForCausalLM` / `Mamba2ForCausalLM` and original mamba_ssm checkpoints to
+hax_jax, and back.
 
     python -m hax_jax.convert SRC OUT            # HF or mamba_ssm directory -> hax_jax checkpoint
-    python -m hax_jax.convert SRC OUT --to-hf    # hax_jax checkpoint -> HF directory transformers loads
+    python -m hax_jax.convert SRC OUT --to-hf    # hax_jax checkpoint -> HF directory transformers
+    loads
         [--drop-sparse-branch]                   # a HAX model: write its SSM only (else refused)
 
 Reads config.json with model.safetensors, sharded safetensors (model.safetensors.index.json) or
-pytorch_model.bin (needs torch: `pip install hax-jax[convert]`). Model code never imports this module.
-A failure on the command line is one `error: ...` line naming the file or value (exit status 1).
+pytorch_model.bin (needs torch: `pip install hax-jax[convert]`). Model code never imports this
+module. A failure on the command line is one `error: ...` line naming the file or value (exit status
+1).
 """
 
 import argparse
@@ -144,7 +147,8 @@ def _fused_path(path: tuple, layouts: dict) -> tuple:
 
 
 def tensors_to_model(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> LanguageModel:
-    """Builds the model from HF / mamba_ssm tensors; errors name missing, extra or misshapen keys."""
+    """Builds the model from HF / mamba_ssm tensors; errors name missing, extra or misshapen
+    keys."""
     embedding_key = "embedding" if "backbone.embedding.weight" in tensors else "embeddings"
     abstract = checkpoint.abstract_model(cfg)
     layouts = _fused_layouts(abstract)
@@ -223,7 +227,8 @@ def from_pretrained_dir(src: str | Path) -> LanguageModel:
 
 
 def _check_hf_can_hold(cfg: ModelConfig, drop_sparse_branch: bool) -> None:
-    """HF's Mamba / Mamba-2 have no sparse branch: refuse a model with one unless told to drop it."""
+    """HF's Mamba / Mamba-2 have no sparse branch: refuse a model with one unless told to drop
+    it."""
     if cfg.sparse.pattern and not drop_sparse_branch:
         raise ConversionError(
             f"the model has a HAX sparse branch (model.sparse.pattern={cfg.sparse.pattern!r}) "
@@ -245,7 +250,8 @@ def to_hf_dir(model: LanguageModel, out: str | Path, drop_sparse_branch: bool = 
     tensors = model_to_tensors(model, drop_sparse_branch)
     if model.cfg.sparse.pattern:
         print(
-            f"warning: dropped the sparse branch (model.sparse.pattern={model.cfg.sparse.pattern!r}): "
+            "warning: dropped the sparse branch "
+            f"(model.sparse.pattern={model.cfg.sparse.pattern!r}): "
             f"{out} holds the SSM only, whose outputs differ from the model's",
             file=sys.stderr,
         )

@@ -221,7 +221,8 @@ def _from_mamba_ssm(raw: dict) -> ModelConfig:
 
 
 def _check_known(ssm: dict, known: set, where: str) -> None:
-    """Errors on ssm_cfg keys we do not understand (rather than silently converting another model)."""
+    """Errors on ssm_cfg keys we do not understand (rather than silently converting another
+    model)."""
     unknown = set(ssm) - known - _INIT_ONLY_KEYS
     if unknown:
         raise ConversionError(f"{where}: unsupported ssm_cfg keys {sorted(unknown)}")

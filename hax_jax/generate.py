@@ -1,4 +1,5 @@
-"""Sampling from a LanguageModel: a parallel prefill returning the caches, then a jitted decode loop.
+"""Sampling from a LanguageModel: a parallel prefill returning the caches, then a jitted decode
+loop.
 
 Rows of a batch may hold prompts of different lengths, padded on the left or on the right (`mask`
 marks the real tokens). The prefill runs the parallel forward over the shortest prompt's length;
@@ -254,8 +255,8 @@ def _logits_at(graphdef, state, seq, t):
 
 
 def _prefill_length(shortest: int) -> int:
-    """The prefill covers the shortest prompt rounded down to a bucket (the rest is fed step by step),
-    so batches of similar lengths share one compiled prefill."""
+    """The prefill covers the shortest prompt rounded down to a bucket (the rest is fed step by
+    step), so batches of similar lengths share one compiled prefill."""
     if shortest >= 512:
         return shortest // 256 * 256
     return shortest // 64 * 64 if shortest >= 64 else shortest

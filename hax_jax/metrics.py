@@ -36,7 +36,7 @@ class Metrics:
             if resumed_at is not None and path.exists():  # drop what the resumed steps will redo
                 lines = path.read_text().splitlines(keepends=True)
                 path.write_text("".join(x for x in lines if json.loads(x)["step"] <= resumed_at))
-            self.jsonl = open(path, "a")  # noqa: SIM115
+            self.jsonl = open(path, "a")
             purge = None if resumed_at is None else resumed_at + 1
             self.tensorboard = _summary_writer(workdir / "tensorboard", purge)
 

@@ -5,8 +5,9 @@ import optax
 
 from hax_jax.config import OptimConfig
 
-# Weight decay only on matrices: every `kernel` and the embedding. That leaves out A_log, D, dt_bias,
-# norm weights, biases, the HAX gate E and Infini's beta, as mamba_ssm's `_no_weight_decay` does.
+# Weight decay only on matrices: every `kernel` and the embedding. That leaves out A_log, D,
+# dt_bias, norm weights, biases, the HAX gate E and Infini's beta, as mamba_ssm's `_no_weight_decay`
+# does.
 DECAYED_NAMES = ("kernel", "embedding")
 
 
@@ -49,7 +50,8 @@ def make_optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransforma
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, opt_state_shape, param_shardings, other):
-    """Shardings of the optimizer state: moments shaped like a parameter follow it, the rest `other`."""
+    """Shardings of the optimizer state: moments shaped like a parameter follow it, the rest
+    `other`."""
     return optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,

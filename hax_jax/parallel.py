@@ -58,11 +58,11 @@ def per_device(
     """fn(**args), inside shard_map over the mesh when `op_mesh(seq_aware)` gives one.
 
     `axes[name]` gives the logical axis names of args[name] (an argument that is None needs
-    none; a dict of arrays, e.g. a fused layer's parts, a dict of names); `out_axes` those of fn's outputs (a tuple of arrays; one array if out_axes has one
-    entry). An axis the mesh does not divide stays whole on every device, so fn must compute on
-    its shard exactly what it computes on the whole; only a `seq_aware` fn sees a split "seq"
-    (it must combine its shards itself), and there a sequence the "seq" axis does not divide is
-    a ValueError naming both.
+    none; a dict of arrays, e.g. a fused layer's parts, a dict of names); `out_axes` those of fn's
+    outputs (a tuple of arrays; one array if out_axes has one entry). An axis the mesh does not
+    divide stays whole on every device, so fn must compute on its shard exactly what it computes on
+    the whole; only a `seq_aware` fn sees a split "seq" (it must combine its shards itself), and
+    there a sequence the "seq" axis does not divide is a ValueError naming both.
     """
     mesh = op_mesh(seq_aware)
     if mesh is None:
@@ -221,9 +221,7 @@ def ssd_sequence_parallel(
     h_in, h_final = incoming_states(decay_blh[:, -1, :, None, None], final, initial_state)
     # The matmul in C's dtype with fp32 accumulation, as the SSD kernels read passed states.
     h_in_bgrpn = h_in.reshape(b, g, h // g, p, n).astype(C.dtype)
-    y_in_blgrp = jnp.einsum(
-        "blgn,bgrpn->blgrp", C, h_in_bgrpn, preferred_element_type=jnp.float32
-    )
+    y_in_blgrp = jnp.einsum("blgn,bgrpn->blgrp", C, h_in_bgrpn, preferred_element_type=jnp.float32)
     y_in_blhp = y_in_blgrp.reshape(b, l, h, p) * decay_blh[..., None]
     return (y.astype(jnp.float32) + y_in_blhp).astype(y.dtype), h_final
 
@@ -239,9 +237,17 @@ def selective_scan_sequence_parallel(
     state's effect on y is not one cheap matmul as in SSD: the kernel applies it)."""
     if seq_shards() == 1:
         return selective_scan(
-            x, dt, A, B, C, D=D, z=z, initial_state=initial_state, return_final_state=True,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D=D,
+            z=z,
+            initial_state=initial_state,
+            return_final_state=True,
             impl=impl,
-        )  # fmt: skip
+        )
     _, final = selective_scan(x, dt, A, B, C, return_final_state=True, impl=impl)
     dt_sum_bd = jnp.sum(dt.astype(jnp.float32), axis=1)
     decay_bdn = jnp.exp(dt_sum_bd[:, :, None] * A.astype(jnp.float32))
@@ -287,9 +293,12 @@ def sequence_cumsum(x: jax.Array) -> jax.Array:
     each shard adds the sums of the shards before it (one small all-gather), so no shard reads
     another's positions."""
     return per_device(
-        _cumsum_shard, dict(x=x), dict(x=("batch", "seq", None)),
-        [("batch", "seq", None)], seq_aware=True,
-    )  # fmt: skip
+        _cumsum_shard,
+        dict(x=x),
+        dict(x=("batch", "seq", None)),
+        [("batch", "seq", None)],
+        seq_aware=True,
+    )
 
 
 def _cumsum_shard(x):
@@ -337,10 +346,20 @@ def sparse_attention_sequence_parallel(
     # Keys and values travel as one array (one all-gather, one reduce-scatter back).
     n = k.shape[-1]
     kv = jnp.concatenate([summary.k, summary.v.astype(summary.k.dtype)], axis=-1)
-    pos, score, kv = (jax.lax.all_gather(x, SEQ, axis=1, tiled=True)
-                      for x in (summary.pos, summary.score, kv))  # fmt: skip
+    pos, score, kv = (
+        jax.lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (summary.pos, summary.score, kv)
+    )
     gathered = carry.Summary(pos, kv[..., :n], kv[..., n:].astype(v.dtype), score)
     return carry.attend_with_carry(
-        q, k, v, key_scores, hash_proj, gathered, spec=spec, offset=offset, shards=shards,
-        q_sum_in=q_sum_in, k_sum_in=k_sum_in,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        key_scores,
+        hash_proj,
+        gathered,
+        spec=spec,
+        offset=offset,
+        shards=shards,
+        q_sum_in=q_sum_in,
+        k_sum_in=k_sum_in,
+    )

@@ -1,4 +1,5 @@
-"""Logical-axis sharding: the device mesh, one rules table, parameter shardings, activation constraints.
+"""Logical-axis sharding: the device mesh, one rules table, parameter shardings, activation
+constraints.
 
 Parameters carry a `logical_axes` metadata tuple (one logical name or None per axis), set where they
 are built (`kernel_metadata={"logical_axes": ...}` on nnx.Linear, `logical_axes=...` on a raw
@@ -40,12 +41,14 @@ Rules = Sequence[tuple[str, str | None]]
 
 
 def rules(fsdp: bool = False) -> tuple[tuple[str, str | None], ...]:
-    """The rules table; with `fsdp`, parameters' d_model axis ("embed") is also split over "data"."""
+    """The rules table; with `fsdp`, parameters' d_model axis ("embed") is also split over
+    "data"."""
     return FSDP_RULES if fsdp else RULES
 
 
 def linear_axes(in_axis: str | None, out_axis: str | None) -> dict:
-    """nnx.Linear keyword arguments giving its kernel (in, out) and bias (out,) their logical axes."""
+    """nnx.Linear keyword arguments giving its kernel (in, out) and bias (out,) their logical
+    axes."""
     return {
         "kernel_metadata": {"logical_axes": (in_axis, out_axis)},
         "bias_metadata": {"logical_axes": (out_axis,)},
@@ -56,7 +59,8 @@ def linear_axes(in_axis: str | None, out_axis: str | None) -> dict:
 
 
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """(data, seq, tensor) sizes for `n_devices`, with a -1 resolved; ValueError naming the values."""
+    """(data, seq, tensor) sizes for `n_devices`, with a -1 resolved; ValueError naming the
+    values."""
     sizes = {name: getattr(cfg, name) for name in MESH_AXES}
     text = " x ".join(f"{k}={v}" for k, v in sizes.items())
     bad = [f"{k}={v}" for k, v in sizes.items() if v != -1 and v < 1]
@@ -65,7 +69,8 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
         raise ValueError(
-            f"at most one mesh size may be -1, got {', '.join(f'{k}=-1' for k in free)} (mesh {text})"
+            "at most one mesh size may be -1, got "
+            f"{', '.join(f'{k}=-1' for k in free)} (mesh {text})"
         )
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if free:
@@ -157,7 +162,8 @@ def param_shardings(state, mesh: Mesh, rules: Rules = RULES):
             )
         if len(names) != len(var.shape):
             raise ValueError(
-                f"parameter {where!r}: logical_axes {tuple(names)} do not match its shape {var.shape}"
+                f"parameter {where!r}: logical_axes {tuple(names)} do not match "
+                f"its shape {var.shape}"
             )
         return var.replace(NamedSharding(mesh, logical_to_spec(names, var.shape, mesh, rules)))
 
@@ -227,9 +233,13 @@ def process_rows(batch_size: int, mesh: Mesh, rules: Rules = RULES) -> tuple[int
 
 
 def global_batch_array(
-    local: np.ndarray, rows: tuple[int, int], batch_size: int, names: Sequence[str], mesh: Mesh,
+    local: np.ndarray,
+    rows: tuple[int, int],
+    batch_size: int,
+    names: Sequence[str],
+    mesh: Mesh,
     rules: Rules = RULES,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """The global (batch_size, ...) array laid out by the logical `names`, of which this process
     holds rows `rows` (from `process_rows`) as `local`; each device takes its own block of them
     (rows, and positions when "seq" splits them)."""

@@ -1,11 +1,10 @@
 """The pure parts of training: the state, the loss, one optimizer step, one evaluation step.
 
-Only pytrees of arrays cross `jit`: parameters travel as a pure dict and are merged with the model's static
-graphdef inside the step. A run's fresh (or `init_from`) parameters and its state's shardings are
-here too; I/O, logging and the loop live in train.py.
+Only pytrees of arrays cross `jit`: parameters travel as a pure dict and are merged with the model's
+static graphdef inside the step. A run's fresh (or `init_from`) parameters and its state's shardings
+are here too; I/O, logging and the loop live in train.py.
 """
 
-import math
 from typing import Any
 
 import flax.struct
@@ -18,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from hax_jax import checkpoint, optim
 from hax_jax import config as config_lib
-from hax_jax.layers.hax_attention import init_qk_from_bc
 from hax_jax.loss import chunk_count, token_nll_chunked
 from hax_jax.models.lm import LanguageModel, rank_loss_sum
 
@@ -94,7 +92,11 @@ def train_step(
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     healthy = state.healthy & jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(healthy, n, o), new, old)
+
+    def keep(new, old):
+        """`new` where the step was healthy, else `old` (leaf by leaf)."""
+        return jax.tree.map(lambda n, o: jnp.where(healthy, n, o), new, old)
+
     new_state = state.replace(
         step=state.step + healthy.astype(jnp.int32),
         params=keep(params, state.params),
@@ -105,7 +107,8 @@ def train_step(
 
 
 def eval_step(params: dict, batch: dict, *, graphdef) -> dict:
-    """Sums over the batch (rows with weight 0 are padding): per-row accuracy, rows, NLL, hits, tokens."""
+    """Sums over the batch (rows with weight 0 are padding): per-row accuracy, rows, NLL, hits,
+    tokens."""
     nll, predictions = token_stats(nnx.merge(graphdef, params), batch)
     weight = batch["weight"].astype(jnp.float32)
     accuracy, has = per_sample_accuracy(predictions, batch)
@@ -137,32 +140,12 @@ def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
     )
-    loaded = checkpoint.restore_params(cfg.train.init_from, target)
-    return _qk_from_bc(_overlay(params, loaded), loaded, cfg.model)
-
-
-def _qk_from_bc(params: dict, loaded: dict, model: config_lib.ModelConfig) -> dict:
-    """Mamba-1 layers given a new HAX branch: its q/k projection from x_proj's C / B (HAX App. D.2)."""
-    dt_rank = model.mamba.dt_rank or math.ceil(model.d_model / 16)
-    for key, layer in params["layers"].items():
-        mixer, had = layer["mixer"], loaded.get("layers", {}).get(key, {}).get("mixer", {})
-        if "x_proj" in mixer and "branch" in mixer and "branch" not in had:
-            mixer["branch"]["qk_proj"]["kernel"] = init_qk_from_bc(
-                mixer["x_proj"]["kernel"], dt_rank=dt_rank, d_state=model.mamba.d_state
-            )
-    return params
-
-
-def _overlay(base: dict, top: dict) -> dict:
-    """`base` with the leaves of `top` (a sub-tree of it) put in."""
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _overlay(base[key], value) if isinstance(value, dict) else value
-    return out
+    return checkpoint.init_from(cfg.train.init_from, params, target, cfg.model)
 
 
 def state_shardings(state_shape, param_shardings: dict, tx, mesh):
-    """Shardings of the TrainState: optimizer moments follow their parameters, scalars replicated."""
+    """Shardings of the TrainState: optimizer moments follow their parameters, scalars
+    replicated."""
     replicated = NamedSharding(mesh, P())
     opt = optim.opt_state_shardings(tx, state_shape.opt_state, param_shardings, replicated)
     return TrainState(

@@ -11,6 +11,7 @@ the gpu variant (fast enough for CI shapes) and `pltpu.InterpretParams()` for th
 import os
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
@@ -100,6 +101,37 @@ def interpret_for(variant, interpret=None):
     return pltpu.InterpretParams() if variant == "tpu" else True
 
 
+def mosaic_gpu_interpret_params(interpret, num_threads):
+    """The `interpret=` argument of plgpu.kernel (the SSD's kernel_mgpu.py): Mosaic GPU's
+    interpreter on a CPU (or when forced with True), else compiled. RuntimeError if the interpreter
+    would deadlock."""
+    if interpret is None:
+        interpret = jax.default_backend() not in ("gpu", "cuda")
+    if not interpret:
+        return None
+    # One thread per warpgroup, plus the one running the computation that called the kernel.
+    needed, cpu_threads = num_threads + 1, _xla_cpu_threads()
+    if cpu_threads < needed:
+        raise RuntimeError(
+            f"Mosaic GPU's interpreter runs this kernel's {num_threads} warpgroups on the XLA CPU "
+            f"client's {cpu_threads} threads and would wait forever on its barriers; start the "
+            f"process with NPROC={needed} (or more) in the environment"
+        )
+    params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+def _xla_cpu_threads():
+    """Threads of XLA's CPU client pool, which runs the interpreter's callbacks: NPROC if set
+    (read when jax starts its CPU backend), else the CPUs this process may use."""
+    nproc = os.environ.get("NPROC", "")
+    if nproc.isdigit():
+        return int(nproc)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def compiler_params(variant, *, num_warps=4, num_stages=2, dimension_semantics=None):
     """Compiler parameters of a pallas_call: Triton's for gpu, Mosaic's for tpu."""
     if variant == "gpu":
@@ -126,4 +158,5 @@ __all__ = [
     "keep_custom_calls_out_of_cuda_graphs",
     "kernels_by_default",
     "lower_for",
+    "mosaic_gpu_interpret_params",
 ]

@@ -25,8 +25,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("USE_HUB_KERNELS", "0")  # transformers must not fetch kernels from the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 # Parity tests compare fp32 numbers with PyTorch; TF32 matmuls (the GPU default) would blur them.
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -87,13 +87,15 @@ def find_tokenizer(candidates, vocab_size: int, needed_by: str):
             return tokenizer
     raise ValueError(
         f"{needed_by} needs text, but the model has no tokenizer (looked in: "
-        f"{', '.join(looked) or 'nowhere'}); pass --tokenizer DIR, a directory with a tokenizer.json "
+        f"{', '.join(looked) or 'nowhere'}); "
+        "pass --tokenizer DIR, a directory with a tokenizer.json "
         "(an HF model's, or one trained with python -m hax_jax.data.text)"
     )
 
 
 def eos_id(tokenizer) -> int:
-    """The end-of-text id: tokenizer_config.json's eos_token is not read, so the usual names are tried."""
+    """The end-of-text id: tokenizer_config.json's eos_token is not read, so the usual names are
+    tried."""
     for name in (EOS_TOKEN, "</s>", "<eos>", "<|eot_id|>"):
         found = tokenizer.token_to_id(name)
         if found is not None:

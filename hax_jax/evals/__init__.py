@@ -1,1 +1,2 @@
-"""Evaluation tasks: joint recall, MQAR, RULER-style, perplexity, LongBench, lm-evaluation-harness."""
+"""Evaluation tasks: joint recall, MQAR, RULER-style, perplexity, LongBench,
+lm-evaluation-harness."""

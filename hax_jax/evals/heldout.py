@@ -57,7 +57,8 @@ def perplexity(
     tokenizer=None,
     token_dtype: str = "uint16",
 ) -> dict:
-    """exp(mean NLL) over the tokens of `path`: a .npy / raw .bin token file, or text (`tokenizer`)."""
+    """exp(mean NLL) over the tokens of `path`: a .npy / raw .bin token file, or text
+    (`tokenizer`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"perplexity data {str(path)!r} does not exist")

@@ -3,7 +3,8 @@
 Importing this module registers the model with lm_eval (an optional dependency: the `eval` extra).
 lm_eval 0.4 has no plugin entry points, so its own command line cannot import it: run
 `hax-jax-lm-eval --model hax_jax --model_args path=DIR ...` (lm_eval's command line with the model
-registered), `eval.py DIR --tasks lm_eval:<task>`, or `lm_eval.simple_evaluate(model="hax_jax", ...)`
+registered), `eval.py DIR --tasks lm_eval:<task>`, or `lm_eval.simple_evaluate(model="hax_jax",
+...)`
 after this import. model_args: path (a checkpoint or training workdir), tokenizer (a directory with
 tokenizer.json; default: the model's own), batch_size, max_length (tokens a request is cut to, from
 the left), max_gen_toks.
@@ -118,7 +119,8 @@ class HaxJaxLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled, per gen_kwargs) continuations cut at the request's `until` strings."""
+        """Greedy (or sampled, per gen_kwargs) continuations cut at the request's `until`
+        strings."""
         out = [""] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, request in enumerate(requests):

@@ -46,12 +46,28 @@ DATASET2PROMPT = {
 
 # LongBench's config/dataset2maxlen.json: new tokens generated per answer.
 DATASET2MAXLEN = {
-    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64,
-    "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512,
-    "qmsum": 512, "multi_news": 512, "vcsum": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
-    "lsht": 64, "passage_count": 32, "passage_retrieval_en": 32, "passage_retrieval_zh": 32,
-    "lcc": 64, "repobench-p": 64,
-}  # fmt: skip
+    "narrativeqa": 128,
+    "qasper": 128,
+    "multifieldqa_en": 64,
+    "multifieldqa_zh": 64,
+    "hotpotqa": 32,
+    "2wikimqa": 32,
+    "musique": 32,
+    "dureader": 128,
+    "gov_report": 512,
+    "qmsum": 512,
+    "multi_news": 512,
+    "vcsum": 512,
+    "trec": 64,
+    "triviaqa": 32,
+    "samsum": 128,
+    "lsht": 64,
+    "passage_count": 32,
+    "passage_retrieval_en": 32,
+    "passage_retrieval_zh": 32,
+    "lcc": 64,
+    "repobench-p": 64,
+}
 
 # Metric names of eval.py's dataset2metric; the jieba ones (word segmentation) are refused.
 DATASET2METRIC = {
@@ -60,17 +76,34 @@ DATASET2METRIC = {
         "qa_f1",
     ),
     **dict.fromkeys(("gov_report", "qmsum", "multi_news", "samsum"), "rouge_l"),
-    "trec": "classification", "lsht": "classification",
-    "passage_retrieval_en": "retrieval", "passage_retrieval_zh": "retrieval_zh",
-    "passage_count": "count", "lcc": "code_sim", "repobench-p": "code_sim",
-    "multifieldqa_zh": "qa_f1_zh", "dureader": "rouge_zh", "vcsum": "rouge_zh",
-}  # fmt: skip
+    "trec": "classification",
+    "lsht": "classification",
+    "passage_retrieval_en": "retrieval",
+    "passage_retrieval_zh": "retrieval_zh",
+    "passage_count": "count",
+    "lcc": "code_sim",
+    "repobench-p": "code_sim",
+    "multifieldqa_zh": "qa_f1_zh",
+    "dureader": "rouge_zh",
+    "vcsum": "rouge_zh",
+}
 NEEDS_JIEBA = ("multifieldqa_zh", "dureader", "vcsum")
 # The datasets of LongBench-E (pred.py --e), published as "<name>_e".
 LONGBENCH_E = (
-    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec",
-    "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
-)  # fmt: skip
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
 # eval.py scores only the first line of these few-shot answers (the model goes on with examples).
 FIRST_LINE_ONLY = ("trec", "triviaqa", "samsum", "lsht")
 # The paragraph an answer names ("Paragraph 3", "段落3"), as metrics.py's retrieval scores find it.

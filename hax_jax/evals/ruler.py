@@ -1,4 +1,4 @@
-"""RULER-style scores: RULER's metrics over hax_jax.data.ruler's prompts, and a runner over lengths.
+"""RULER-style scores: RULER's metrics over ruler_tasks.py's prompts, and a runner over lengths.
 
 Follows NVIDIA RULER (github.com/NVIDIA/RULER): scripts/eval/evaluate.py's postprocess_pred (control
 characters become newlines, then the prediction is stripped; nothing is cut) and the metrics of
@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hax_jax.data import ruler
+from hax_jax.evals import ruler_tasks
 
 Predict = Callable[[list[str], int], list[str]]  # (prompts, max_new_tokens) -> completions
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f]")
@@ -50,9 +50,11 @@ def string_match_part(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> fl
 
 def metric(task: str) -> Callable[[Sequence[str], Sequence[Sequence[str]]], float]:
     """RULER's metric for a task: string_match_part for qa, string_match_all for the others."""
-    if task not in ruler.TASKS:
-        raise ValueError(f"unknown RULER task {task!r}; known tasks: {', '.join(ruler.TASKS)}")
-    return string_match_part if ruler.TASKS[task]["kind"] == "qa" else string_match_all
+    if task not in ruler_tasks.TASKS:
+        raise ValueError(
+            f"unknown RULER task {task!r}; known tasks: {', '.join(ruler_tasks.TASKS)}"
+        )
+    return string_match_part if ruler_tasks.TASKS[task]["kind"] == "qa" else string_match_all
 
 
 def score(task: str, preds: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
@@ -80,7 +82,7 @@ def run(
         raise ValueError(f"lengths={lengths!r} names no context length")
     results = {}
     for length in lengths:
-        examples = ruler.generate(
+        examples = ruler_tasks.generate(
             task,
             tokenizer=tokenizer,
             length=length,

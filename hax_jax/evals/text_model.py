@@ -58,7 +58,8 @@ def loglikelihoods(
     model: LanguageModel, requests: list[tuple[list[int], list[int]]], *, batch_size: int = 8
 ) -> list[tuple[float, bool]]:
     """For each (context ids, continuation ids): (log p(continuation | context), whether every
-    continuation token is the argmax). Inputs longer than the model takes are the caller's to cut."""
+    continuation token is the argmax). Inputs longer than the model takes are the caller's to
+    cut."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     for i, (context, continuation) in enumerate(requests):

@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import torch_linear_init
+from hax_jax.layers import init
 from hax_jax.layers.rope import apply_rope
 from hax_jax.parallel import SEQ, from_last_shard, from_previous_shard, per_device, seq_shards
-from hax_jax.sharding import linear_axes
 
 HEADS = ("batch", "seq", "heads", None)  # q, k, v, o: (b, l, h, head_dim)
 HISTORY = ("batch", None, "heads", None)  # a window's history: (b, window - 1, h, head_dim)
@@ -84,25 +83,14 @@ class Attention(nnx.Module):
         self.scale = 1.0 / math.sqrt(hd)
         self.kind = "attention" if window is None else "swa"
 
-        def linear(i, o, axes, bias, scale=1.0):
-            init = torch_linear_init(i, scale)
-            return nnx.Linear(
-                i,
-                o,
-                use_bias=bias,
-                dtype=self.dtype,
-                kernel_init=init,
-                rngs=rngs,
-                **linear_axes(*axes),
-            )
-
+        linear = functools.partial(init.linear, rngs=rngs, dtype=self.dtype)
         # Heads split over "tensor" (the flattened h * head_dim axis, head-aligned when the tensor
         # size divides n_heads); one all-reduce after o_proj.
-        self.q_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
-        self.k_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
-        self.v_proj = linear(d, h * hd, ("embed", "heads"), a.qkv_bias)
+        self.q_proj = linear(d, h * hd, ("embed", "heads"), use_bias=a.qkv_bias)
+        self.k_proj = linear(d, h * hd, ("embed", "heads"), use_bias=a.qkv_bias)
+        self.v_proj = linear(d, h * hd, ("embed", "heads"), use_bias=a.qkv_bias)
         # Scaled by 1/sqrt(n_layer), as mamba's out_proj (rescale_prenorm_residual).
-        self.o_proj = linear(h * hd, d, ("heads", "embed"), False, scale=1 / math.sqrt(cfg.n_layer))
+        self.o_proj = linear(h * hd, d, ("heads", "embed"), scale=1 / math.sqrt(cfg.n_layer))
 
     def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> KVCache:
         """The empty cache: `capacity` slots for full attention, window - 1 for a sliding window."""
@@ -146,9 +134,12 @@ class Attention(nnx.Module):
         l = q.shape[1]
         if cache is None:  # training / first prefill: keys are just these l tokens
             o = per_device(
-                functools.partial(_full_shard, scale=self.scale), dict(q=q, k=k, v=v),
-                dict(q=HEADS, k=HEADS, v=HEADS), [HEADS], seq_aware=True,
-            )  # fmt: skip
+                functools.partial(_full_shard, scale=self.scale),
+                dict(q=q, k=k, v=v),
+                dict(q=HEADS, k=HEADS, v=HEADS),
+                [HEADS],
+                seq_aware=True,
+            )
             # Hold at least this prefix; later calls must stay within the capacity.
             pad = ((0, 0), (0, max(DEFAULT_CAPACITY, l) - l), (0, 0), (0, 0))
             return o, KVCache(jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(l, jnp.int32))
@@ -172,8 +163,9 @@ class Attention(nnx.Module):
             functools.partial(_window_shard, window=w, scale=self.scale),
             dict(q=q, k=k, v=v, hist_k=hist_k, hist_v=hist_v, pos=p),
             dict(q=HEADS, k=HEADS, v=HEADS, hist_k=HISTORY, hist_v=HISTORY, pos=()),
-            [HEADS, HISTORY, HISTORY], seq_aware=True,
-        )  # fmt: skip
+            [HEADS, HISTORY, HISTORY],
+            seq_aware=True,
+        )
         # The new cache: the last w - 1 tokens, laid out as the ring buffer.
         end = p + q.shape[1]
         shift = end % (w - 1)

@@ -1,29 +1,18 @@
 """Depthwise causal conv1d over (b, l, c), with its window as explicit state."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hax_jax.layers.init import torch_linear_init
 from hax_jax.parallel import from_last_shard, from_previous_shard, per_device, seq_shards
-
-
-def torch_linear_init(fan_in: int, scale: float = 1.0):
-    """PyTorch's default Linear/Conv init, U(+-1/sqrt(fan_in)), optionally scaled (mamba_ssm keeps it)."""
-    bound = scale / math.sqrt(fan_in)
-
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-    return init
 
 
 class CausalConv1d(nnx.Module):
     """Depthwise causal conv: y_t = bias + sum_j kernel[j] * x_{t - (width - 1) + j}, per channel.
 
-    The state is the previous `width - 1` inputs (zeros at the start of a sequence), so a sequence may be
-    processed in pieces, or one token at a time, with the same result.
+    The state is the previous `width - 1` inputs (zeros at the start of a sequence), so a sequence
+    may be processed in pieces, or one token at a time, with the same result.
     """
 
     def __init__(self, channels: int, width: int, *, use_bias: bool = True, rngs: nnx.Rngs):
@@ -58,11 +47,16 @@ class CausalConv1d(nnx.Module):
         return per_device(
             conv_shard,
             dict(x=x, kernel=self.kernel[...], bias=bias, state=state, seq_idx=seq_idx),
-            dict(x=("batch", "seq", "inner"), kernel=(None, "inner"), bias=("inner",),
-                 state=("batch", None, "inner"), seq_idx=("batch", "seq")),
+            dict(
+                x=("batch", "seq", "inner"),
+                kernel=(None, "inner"),
+                bias=("inner",),
+                state=("batch", None, "inner"),
+                seq_idx=("batch", "seq"),
+            ),
             [("batch", "seq", "inner"), ("batch", None, "inner")],
             seq_aware=True,
-        )  # fmt: skip
+        )
 
     def step(self, x: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
         """One token: x (b, c), state (b, width-1, c) -> (y (b, c), new state)."""

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.layers.conv import conv_shard, torch_linear_init
+from hax_jax.layers.conv import conv_shard
+from hax_jax.layers.init import torch_linear_init
 from hax_jax.parallel import per_device
 
 
@@ -36,30 +37,33 @@ class Part(NamedTuple):
         return math.prod(self.shape)
 
 
-def _cut(fused: jax.Array, parts: Sequence[Part], lead: tuple[int, ...], lead_axes, **meta):
+def _cut(fused: jax.Array, parts: Sequence[Part], lead_axes, **meta):
     """An nnx.Dict of Params, one per part, cut from the last axis of `fused` and reshaped."""
-    out, start = {}, 0
-    for p in parts:
-        value = fused[..., start : start + p.size].reshape(*lead, *p.shape)
-        out[p.name] = nnx.Param(value, logical_axes=(*lead_axes, *p.axes), **meta)
-        start += p.size
-    return nnx.Dict(out)
+    pieces = unfuse(fused, parts)
+    return nnx.Dict(
+        {
+            p.name: nnx.Param(pieces[p.name], logical_axes=(*lead_axes, *p.axes), **meta)
+            for p in parts
+        }
+    )
 
 
 def fuse(arrays: Mapping[str, jax.Array], parts: Sequence[Part], lead: int) -> jax.Array:
     """The fused array: each part flattened after its first `lead` axes, concatenated in order."""
-    return jnp.concatenate(
-        [arrays[p.name].reshape(*arrays[p.name].shape[:lead], p.size) for p in parts], axis=-1
-    )
+    return side_by_side(arrays, [p.name for p in parts], lead)[0]
 
 
 def unfuse(fused: jax.Array, parts: Sequence[Part]) -> dict[str, jax.Array]:
     """Inverse of `fuse`: the parts of the last axis, each in its own shape."""
-    out, start = {}, 0
-    for p in parts:
-        out[p.name] = fused[..., start : start + p.size].reshape(*fused.shape[:-1], *p.shape)
-        start += p.size
-    return out
+    return apart(fused, [p.name for p in parts], [p.shape for p in parts])
+
+
+def part_arrays(layer) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
+    """A fused layer's kernels and biases (None without bias), as dicts of arrays."""
+    kernels = {p.name: layer.kernel[p.name][...] for p in layer.parts}
+    if layer.bias is None:
+        return kernels, None
+    return kernels, {p.name: layer.bias[p.name][...] for p in layer.parts}
 
 
 class FusedLinear(nnx.Module):
@@ -80,19 +84,16 @@ class FusedLinear(nnx.Module):
         total = sum(p.size for p in parts)
         init = kernel_init or torch_linear_init(in_features)
         kernel = init(rngs.params(), (in_features, total))
-        self.kernel = _cut(kernel, parts, (in_features,), (in_axis,))
+        self.kernel = _cut(kernel, parts, (in_axis,))
         self.bias = nnx.data(None)
         if use_bias:
             rngs.params()  # nnx.Linear draws a key for its (zero) bias: keep the same key stream
-            self.bias = _cut(jnp.zeros((total,), jnp.float32), parts, (), ())
+            self.bias = _cut(jnp.zeros((total,), jnp.float32), parts, ())
         self.dtype = dtype
 
     def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
         """The parts' kernels and biases (None without bias), as dicts of arrays."""
-        kernels = {p.name: self.kernel[p.name][...] for p in self.parts}
-        return kernels, None if self.bias is None else {
-            p.name: self.bias[p.name][...] for p in self.parts
-        }
+        return part_arrays(self)
 
     def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
         return linear_parts(x, *self.arrays(), self.dtype, [p.name for p in self.parts])
@@ -107,13 +108,14 @@ def side_by_side(arrays: Mapping, order: Sequence[str], lead: int):
 
 
 def apart(joined: jax.Array, order: Sequence[str], shapes) -> dict[str, jax.Array]:
-    """Inverse of `side_by_side`: {part: (..., *shape)} from the last axis of `joined`."""
-    sizes = [math.prod(shape) for shape in shapes]
-    pieces = jnp.split(joined, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=-1)
-    return {
-        n: p.reshape(*joined.shape[:-1], *shape)
-        for n, p, shape in zip(order, pieces, shapes, strict=True)
-    }
+    """Inverse of `side_by_side`: {part: (..., *shape)} from the last axis of `joined` (slices, so
+    a numpy array stays one)."""
+    out, start = {}, 0
+    for name, shape in zip(order, shapes, strict=True):
+        size = math.prod(shape)
+        out[name] = joined[..., start : start + size].reshape(*joined.shape[:-1], *shape)
+        start += size
+    return out
 
 
 def fused_linear(x: jax.Array, kernels: Mapping, biases: Mapping | None, dtype, order):
@@ -145,10 +147,8 @@ class FusedConv1d(nnx.Module):
         self.parts, self.width = tuple(parts), width
         total = sum(p.size for p in parts)
         init = torch_linear_init(width)  # torch Conv1d with groups=channels: fan_in = width
-        self.kernel = _cut(init(rngs.params(), (width, total)), parts, (width,), (None,))
-        self.bias = (
-            _cut(init(rngs.params(), (total,)), parts, (), ()) if use_bias else nnx.data(None)
-        )
+        self.kernel = _cut(init(rngs.params(), (width, total)), parts, (None,))
+        self.bias = _cut(init(rngs.params(), (total,)), parts, ()) if use_bias else nnx.data(None)
 
     def init_state(self, batch: int, dtype) -> jax.Array:
         """The zero window (b, width - 1, total channels)."""
@@ -170,10 +170,7 @@ class FusedConv1d(nnx.Module):
 
     def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
         """The parts' kernels and biases (None without bias), as dicts of arrays."""
-        kernels = {p.name: self.kernel[p.name][...] for p in self.parts}
-        return kernels, None if self.bias is None else {
-            p.name: self.bias[p.name][...] for p in self.parts
-        }
+        return part_arrays(self)
 
     def step(
         self, xs: Mapping[str, jax.Array], state: jax.Array
@@ -181,10 +178,11 @@ class FusedConv1d(nnx.Module):
         """One token: xs {part: (b, *shape)}, state (b, width - 1, total) -> (ys, new state)."""
         x = fuse(xs, self.parts, lead=1)
         window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1).astype(jnp.float32)
-        kernel = fuse({p.name: self.kernel[p.name][...] for p in self.parts}, self.parts, lead=1)
+        kernels, biases = self.arrays()
+        kernel = fuse(kernels, self.parts, lead=1)
         y = jnp.einsum("bkc,kc->bc", window, kernel.astype(jnp.float32))
-        if self.bias is not None:
-            y = y + fuse({p.name: self.bias[p.name][...] for p in self.parts}, self.parts, lead=0)
+        if biases is not None:
+            y = y + fuse(biases, self.parts, lead=0)
         return unfuse(y.astype(x.dtype), self.parts), window[:, 1:].astype(x.dtype)
 
 

@@ -1,10 +1,11 @@
 """The sparse-attention branch beside an SSM mixer (HAX paper §4; SPEC §1.3).
 
-On the post-conv activation x (b, l, e): [K | Q] = qk_proj(x), K /= sqrt(N), V = x; o = sparse_attention(Q, K,
-V) over the configured pattern ("lsh+ks" is HAX); the mixer adds o * E (E a learned per-channel gate, init 1).
-The key-selection scorer is an MLP on [stopgrad(k_j), normalize(sum_{p<=j} stopgrad(q_p))], trained only by
-the ranking loss (paper eqs. 15-17), which is sown as `nnx.Intermediate` "rank_loss" when an rng is given
-(collect it with `nnx.capture(model, nnx.Intermediate)`; see models.lm.rank_loss_sum).
+On the post-conv activation x (b, l, e): [K | Q] = qk_proj(x), K /= sqrt(N), V = x; o =
+sparse_attention(Q, K, V) over the configured pattern ("lsh+ks" is HAX); the mixer adds o * E (E a
+learned per-channel gate, init 1). The key-selection scorer is an MLP on [stopgrad(k_j),
+normalize(sum_{p<=j} stopgrad(q_p))], trained only by the ranking loss (paper eqs. 15-17), which is
+sown as `nnx.Intermediate` "rank_loss" when an rng is given (collect it with `nnx.capture(model,
+nnx.Intermediate)`; see models.lm.rank_loss_sum).
 """
 
 import functools
@@ -15,9 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import ModelConfig
-from hax_jax.layers.conv import torch_linear_init
+from hax_jax.layers import init
 from hax_jax.parallel import per_device, sequence_cumsum, sparse_attention_sequence_parallel
-from hax_jax.sharding import linear_axes
 from pallas_kernels.sparse_attention import (
     SparseAttentionCache,
     init_cache,
@@ -79,25 +79,20 @@ class KeyScorer(nnx.Module):
     """s_j = MLP([k_j, normalize(sum_{p<=j} q_p)]): 2N -> 2N -> 2N -> 1 with ReLU (paper §4.2)."""
 
     def __init__(self, d_state: int, *, rngs: nnx.Rngs):
-        def linear(i, o, out_axis="state"):
-            return nnx.Linear(
-                i,
-                o,
-                kernel_init=torch_linear_init(i),
-                bias_init=torch_linear_init(i),
-                rngs=rngs,
-                **linear_axes("state", out_axis),
-            )
-
-        # Small (2N wide): replicated.
+        # Small (2N wide): replicated; biased, both inits PyTorch's, computed in fp32.
+        width = 2 * d_state
+        linear = functools.partial(
+            init.linear, width, rngs=rngs, use_bias=True, bias_init=init.torch_linear_init(width)
+        )
         self.fc1, self.fc2, self.fc3 = (
-            linear(2 * d_state, 2 * d_state),
-            linear(2 * d_state, 2 * d_state),
-            linear(2 * d_state, 1, None),
+            linear(width, ("state", "state")),
+            linear(width, ("state", "state")),
+            linear(1, ("state", None)),
         )
 
     def __call__(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
-        """k, q_sum (..., N) (q_sum already normalised) -> scores (...,) fp32; no gradient to k or q."""
+        """k, q_sum (..., N) (q_sum already normalised) -> scores (...,) fp32; no gradient to k or
+        q."""
         h = jnp.concatenate([jax.lax.stop_gradient(k), jax.lax.stop_gradient(q_sum)], axis=-1)
         h = jax.nn.relu(self.fc1(h.astype(jnp.float32)))
         h = jax.nn.relu(self.fc2(h))
@@ -105,21 +100,16 @@ class KeyScorer(nnx.Module):
 
 
 class HaxBranch(nnx.Module):
-    """qk projection, the sparse attention over (Q, K, V = x), the per-channel gate E, and the scorer."""
+    """qk projection, the sparse attention over (Q, K, V = x), the per-channel gate E, and the
+    scorer."""
 
     def __init__(self, cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
         # The attention is described once, by the spec every op call below takes.
         self.cfg, self.spec = cfg.sparse, cfg.sparse.spec
         self.d_state, self.d_inner = d_state, d_inner
         # q/k contract the split d_inner: one more all-reduce under tensor parallelism (SPEC §3).
-        self.qk_proj = nnx.Linear(
-            d_inner,
-            2 * d_state,
-            use_bias=False,
-            dtype=jnp.dtype(cfg.dtype),
-            kernel_init=torch_linear_init(d_inner),
-            rngs=rngs,
-            **linear_axes("inner", "state"),
+        self.qk_proj = init.linear(
+            d_inner, 2 * d_state, ("inner", "state"), rngs=rngs, dtype=jnp.dtype(cfg.dtype)
         )
         self.E = nnx.Param(jnp.ones((d_inner,), jnp.float32), logical_axes=("inner",))
         self.scorer = KeyScorer(d_state, rngs=rngs) if self.spec.has("ks") else None
@@ -130,19 +120,21 @@ class HaxBranch(nnx.Module):
         return q, k / math.sqrt(self.d_state)
 
     def _hash_proj(self, rng: jax.Array | None) -> jax.Array | None:
-        """H ~ N(0, 1) (N, h): resampled from `rng` in training, fixed by eval_hash_seed otherwise."""
+        """H ~ N(0, 1) (N, h): resampled from `rng` in training, fixed by eval_hash_seed
+        otherwise."""
         if not self.spec.has("lsh"):
             return None
         key = jax.random.key(self.cfg.eval_hash_seed) if rng is None else rng
         return jax.random.normal(key, (self.d_state, self.spec.hash_bits), jnp.float32)
 
     def _key_scores(self, q_bln: jax.Array, k_bln: jax.Array) -> jax.Array | None:
-        """Scores of every key from the causal prefix sum of queries (the official code: sequence-normalised)."""
+        """Scores of every key from the causal prefix sum of queries (the official code:
+        sequence-normalised)."""
         if self.scorer is None:
             return None
         q_sum = sequence_cumsum(q_bln)
-        # The official code calls normalize() with torch's default dim=1, the sequence axis: it leaks the
-        # future into every score. We normalise each prefix sum over its own features.
+        # The official code calls normalize() with torch's default dim=1, the sequence axis: it
+        # leaks the future into every score. We normalise each prefix sum over its own features.
         q_sum = l2_normalize(q_sum, axis=1 if self.cfg.official_code else -1)
         return self.scorer(k_bln, q_sum)
 
@@ -169,7 +161,8 @@ class HaxBranch(nnx.Module):
         return per_device(attend, args, ATTEND_AXES, ATTEND_OUT_AXES, seq_aware=True)
 
     def _rank_loss(self, scores, q, k, mask, rng) -> jax.Array:
-        """Samples kc candidate keys per sequence uniformly without replacement (never padding) and ranks them."""
+        """Samples kc candidate keys per sequence uniformly without replacement (never padding) and
+        ranks them."""
         b, l = scores.shape
         kc = min(self.spec.keys_per_component, l)
         noise = jax.random.uniform(rng, (b, l))
@@ -179,7 +172,8 @@ class HaxBranch(nnx.Module):
         return ranking_loss(scores, q, k, candidates, mask)
 
     def forward(self, x: jax.Array, cache, *, mask=None, rng=None):
-        """Parallel mode inside a mixer, x (b, l, e) -> (o * E, the sparse cache or None).
+        """Parallel mode inside a mixer, x (b, l, e) and the mixer's cache (or None) -> (o * E, the
+        sparse cache or None).
 
         Without a cache: the sub-quadratic op (training). From a fresh cache (t concretely 0, as
         an init_cache made inside the jit has): `prefill`, the same op in eval mode plus the cache
@@ -197,7 +191,8 @@ class HaxBranch(nnx.Module):
 
     def prefill(self, x: jax.Array, cache: SparseAttentionCache):
         """From an empty cache: x (b, l, e) -> (o * E (b, l, e), cache after x) as the step scan
-        gives them, but from the parallel op (eval mode) and `prefill_cache`: no loop over tokens."""
+        gives them, but from the parallel op (eval mode) and `prefill_cache`: no loop over
+        tokens."""
         q, k = self._qk(x)
         scores = self._key_scores(q, k)
         hash_proj = self._hash_proj(None)
@@ -211,7 +206,8 @@ class HaxBranch(nnx.Module):
 
     @staticmethod
     def decode_cache(cache) -> SparseAttentionCache:
-        """The branch's part of a mixer cache, or a clear error when that cache did not start as init_cache."""
+        """The branch's part of a mixer cache, or a clear error when that cache did not start as
+        init_cache."""
         if cache.sparse is None:
             raise ValueError(
                 "this layer has a sparse-attention branch: start from model.init_cache(batch) "
@@ -223,8 +219,13 @@ class HaxBranch(nnx.Module):
         """An empty decode cache holding up to `capacity` tokens."""
         return init_cache(batch, capacity, self.d_state, self.d_inner, spec=self.spec, dtype=dtype)
 
-    def step(self, x: jax.Array, cache: SparseAttentionCache):
-        """Recurrent mode: x (b, e) -> (o * E (b, e), cache); O(num_keys * (N + e)) per token."""
+    def step(self, x: jax.Array, cache):
+        """Recurrent mode inside a mixer, x (b, e) and the mixer's cache (as `forward` takes it) ->
+        (o * E (b, e), the sparse cache); O(num_keys * (N + e)) per token."""
+        return self._step(x, self.decode_cache(cache))
+
+    def _step(self, x: jax.Array, cache: SparseAttentionCache):
+        """One token against the branch's own cache -> (o * E (b, e), the cache after it)."""
         if self.cfg.official_code:
             raise ValueError("sparse.official_code=True is non-causal and has no step mode")
         q, k = self._qk(x)
@@ -240,11 +241,18 @@ class HaxBranch(nnx.Module):
         """Prefill from a cache: the step over every token of x (b, l, e), as one lax.scan."""
 
         def body(cache, x_t):
-            o_t, cache = self.step(x_t, cache)
+            o_t, cache = self._step(x_t, cache)
             return cache, o_t
 
         cache, o_lbe = jax.lax.scan(body, cache, jnp.moveaxis(x, 1, 0))
         return jnp.moveaxis(o_lbe, 0, 1), cache
+
+
+def sparse_branch(cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
+    """The HAX sparse-attention branch when cfg.sparse.pattern is set, else None."""
+    return (
+        HaxBranch(cfg, d_inner=d_inner, d_state=d_state, rngs=rngs) if cfg.sparse.pattern else None
+    )
 
 
 def _is_fresh(cache: SparseAttentionCache) -> bool:

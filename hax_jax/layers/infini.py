@@ -27,6 +27,7 @@ u_t = sigma(K_t) / (sigma(K_t) z + eps)). Each shard composes its segments' maps
 prefix over the shards gives its incoming (M, z), and it scans its segments from there.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -35,11 +36,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.layers import init
 from hax_jax.layers.attention import attend
-from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.rope import apply_rope
 from hax_jax.parallel import SEQ, incoming_states, per_device, seq_shards
-from hax_jax.sharding import linear_axes
 
 EPS = 1e-6  # the retrieval denominator's guard (see the module docstring)
 HEADS = ("batch", "seq", "heads", None)  # q, k, v, outputs: (b, l, h, head_dim)
@@ -94,17 +94,7 @@ class InfiniAttention(nnx.Module):
         self.n_heads, self.head_dim, self.seg, self.rule = h, hd, c.segment_len, c.update
         self.theta, self.scale, self.dtype = c.rope_theta, 1.0 / math.sqrt(hd), jnp.dtype(cfg.dtype)
 
-        def linear(i, o, axes, scale=1.0):
-            init = torch_linear_init(i, scale)
-            return nnx.Linear(
-                i,
-                o,
-                use_bias=False,
-                dtype=self.dtype,
-                kernel_init=init,
-                rngs=rngs,
-                **linear_axes(*axes),
-            )
+        linear = functools.partial(init.linear, rngs=rngs, dtype=self.dtype)
 
         # Heads split over "tensor", as attention; memories are per head, so no communication
         # before o_proj's all-reduce.
@@ -117,7 +107,8 @@ class InfiniAttention(nnx.Module):
         self.beta = nnx.Param(jnp.zeros((h,), jnp.float32), logical_axes=("heads",))
 
     def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> InfiniCache:
-        """Empty memory, empty segment, position 0; `capacity` is unused (the memory is fixed-size)."""
+        """Empty memory, empty segment, position 0; `capacity` is unused (the memory is
+        fixed-size)."""
         return self._empty(batch, self.n_heads)
 
     def _empty(self, batch: int, heads: int) -> InfiniCache:
@@ -167,11 +158,12 @@ class InfiniAttention(nnx.Module):
         gate = jax.nn.sigmoid(self.beta[...])
         if cache is None:
             a, *state = per_device(
-                self._fresh, dict(q=q, k=k, v=v, gate=gate),
+                self._fresh,
+                dict(q=q, k=k, v=v, gate=gate),
                 dict(q=HEADS, k=HEADS, v=HEADS, gate=("heads",)),
                 [HEADS, ("batch", "heads", None, None), ("batch", "heads", None), BUFFER, BUFFER],
                 seq_aware=True,
-            )  # fmt: skip
+            )
             pos = jnp.asarray(x.shape[1], jnp.int32)
         else:
             a, *state = self._scan(q, k, v, gate, cache, cache.pos % self.seg)

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import CausalConv1d, conv_shard, torch_linear_init
+from hax_jax.layers import init
+from hax_jax.layers.conv import CausalConv1d, conv_shard
 from hax_jax.layers.fused import FusedLinear, Part, linear_parts
-from hax_jax.layers.hax_attention import HaxBranch, SparseAttentionCache
+from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
 from hax_jax.parallel import per_device, selective_scan_sequence_parallel
-from hax_jax.sharding import linear_axes
 
 
 class MambaCache(NamedTuple):
@@ -26,27 +26,9 @@ class MambaCache(NamedTuple):
     )
 
 
-def dt_bias_init(dt_min: float, dt_max: float, floor: float):
-    """Inverse softplus of a log-uniform dt in [dt_min, dt_max], clamped at `floor` (official init)."""
-
-    def init(key, shape, dtype=jnp.float32):
-        u = jax.random.uniform(key, shape, jnp.float32)
-        dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = jnp.maximum(dt, floor)
-        return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-
-    return init
-
-
-def sparse_branch(cfg: ModelConfig, *, d_inner: int, d_state: int, rngs: nnx.Rngs):
-    """The HAX sparse-attention branch when cfg.sparse.pattern is set, else None."""
-    return (
-        HaxBranch(cfg, d_inner=d_inner, d_state=d_state, rngs=rngs) if cfg.sparse.pattern else None
-    )
-
-
 class MambaMixer(nnx.Module):
-    """in_proj -> x, z; conv + SiLU on x; x_proj -> [dt | B | C]; selective scan; * SiLU(z); out_proj."""
+    """in_proj -> x, z; conv + SiLU on x; x_proj -> [dt | B | C]; selective scan; * SiLU(z);
+    out_proj."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         m = cfg.mamba
@@ -56,30 +38,30 @@ class MambaMixer(nnx.Module):
         self.d_inner, self.d_state, self.dt_rank, self.dtype = e, n, r, dtype
         self.scan_impl = m.scan_impl
 
-        def linear(i, o, axes, *, bias, **kw):
-            kw.setdefault("kernel_init", torch_linear_init(i))
-            return nnx.Linear(
-                i, o, use_bias=bias, dtype=dtype, rngs=rngs, **linear_axes(*axes), **kw
-            )
+        linear = functools.partial(init.linear, rngs=rngs, dtype=dtype)
 
         # Tensor parallelism (Mamba-2 paper §8.1 for Mamba-1): d_inner is split. in_proj is stored
         # per part (layers/fused.py), so a device's x and z are local; x_proj contracts the split
         # d_inner (a small all-reduce of dt, B, C) and out_proj too (the block's all-reduce).
         self.in_proj = FusedLinear(
-            d, (Part("x", (e,), ("inner",)), Part("z", (e,), ("inner",))),
-            in_axis="embed", use_bias=m.bias, dtype=dtype, rngs=rngs,
-        )  # fmt: skip
+            d,
+            (Part("x", (e,), ("inner",)), Part("z", (e,), ("inner",))),
+            in_axis="embed",
+            use_bias=m.bias,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
-        self.x_proj = linear(e, r + 2 * n, ("inner", "state"), bias=False)
+        self.x_proj = linear(e, r + 2 * n, ("inner", "state"))
         self.dt_proj = linear(
             r,
             e,
             ("state", "inner"),
-            bias=True,
-            kernel_init=torch_linear_init(
+            use_bias=True,
+            kernel_init=init.torch_linear_init(
                 1, scale=m.dt_scale / math.sqrt(r)
             ),  # U(+-dt_scale/sqrt(R))
-            bias_init=dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor),
+            bias_init=init.dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor),
         )
         # S4D-real init: A = -(1..N) for every channel, stored as log.
         self.A_log = nnx.Param(
@@ -92,8 +74,8 @@ class MambaMixer(nnx.Module):
             e,
             d,
             ("inner", "embed"),
-            bias=m.bias,
-            kernel_init=torch_linear_init(e, 1 / math.sqrt(cfg.n_layer)),
+            use_bias=m.bias,
+            scale=1 / math.sqrt(cfg.n_layer),
         )
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
@@ -134,29 +116,54 @@ class MambaMixer(nnx.Module):
         conv = self.conv1d
         x, z, conv_state = per_device(
             functools.partial(_front_shard, dtype=self.dtype),
-            dict(u=u, in_kernels=in_kernels, in_biases=in_biases, conv_kernel=conv.kernel[...],
-                 conv_bias=None if conv.bias is None else conv.bias[...],
-                 conv_state=conv.init_state(u.shape[0], self.dtype) if cache is None else cache.conv),
-            dict(u=("batch", "seq", None), in_kernels={"x": (None, "inner"), "z": (None, "inner")},
-                 in_biases={"x": ("inner",), "z": ("inner",)}, conv_kernel=(None, "inner"),
-                 conv_bias=("inner",), conv_state=("batch", None, "inner")),
+            dict(
+                u=u,
+                in_kernels=in_kernels,
+                in_biases=in_biases,
+                conv_kernel=conv.kernel[...],
+                conv_bias=None if conv.bias is None else conv.bias[...],
+                conv_state=conv.init_state(u.shape[0], self.dtype) if cache is None else cache.conv,
+            ),
+            dict(
+                u=("batch", "seq", None),
+                in_kernels={"x": (None, "inner"), "z": (None, "inner")},
+                in_biases={"x": ("inner",), "z": ("inner",)},
+                conv_kernel=(None, "inner"),
+                conv_bias=("inner",),
+                conv_state=("batch", None, "inner"),
+            ),
             [("batch", "seq", "inner"), ("batch", "seq", "inner"), ("batch", None, "inner")],
             seq_aware=True,
-        )  # fmt: skip
+        )
         dt, B, C = self._dt_B_C(x)
 
         h0 = None if cache is None else cache.ssm
         channels = ("batch", "seq", "inner")
         y, ssm_state = per_device(
             functools.partial(selective_scan_sequence_parallel, impl=self.scan_impl),
-            dict(x=x, dt=dt, A=-jnp.exp(self.A_log[...]), B=B, C=C, D=self.D[...], z=z,
-                 initial_state=h0),
-            dict(x=channels, dt=channels, A=("inner", None), B=("batch", "seq", None),
-                 C=("batch", "seq", None), D=("inner",), z=channels,
-                 initial_state=("batch", "inner", None)),
+            dict(
+                x=x,
+                dt=dt,
+                A=-jnp.exp(self.A_log[...]),
+                B=B,
+                C=C,
+                D=self.D[...],
+                z=z,
+                initial_state=h0,
+            ),
+            dict(
+                x=channels,
+                dt=channels,
+                A=("inner", None),
+                B=("batch", "seq", None),
+                C=("batch", "seq", None),
+                D=("inner",),
+                z=channels,
+                initial_state=("batch", "inner", None),
+            ),
             [channels, ("batch", "inner", None)],
             seq_aware=True,
-        )  # fmt: skip
+        )
         sparse_cache = None
         if self.branch is not None:
             # HAX with Mamba: y = scan(x) * SiLU(z) + o * E * SiLU(z).
@@ -177,7 +184,7 @@ class MambaMixer(nnx.Module):
         y = jnp.einsum("ben,bn->be", h, C.astype(jnp.float32)) + self.D[...] * x32
         sparse_cache = None
         if self.branch is not None:
-            o, sparse_cache = self.branch.step(x, self.branch.decode_cache(cache))
+            o, sparse_cache = self.branch.step(x, cache)
             y = y + o.astype(jnp.float32)
         y = y * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h, sparse_cache)

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import torch_linear_init
 from hax_jax.layers.fused import (
     FusedConv1d,
     FusedLinear,
@@ -20,11 +19,10 @@ from hax_jax.layers.fused import (
     fused_linear,
     unfuse,
 )
-from hax_jax.layers.hax_attention import SparseAttentionCache
-from hax_jax.layers.mamba import dt_bias_init, sparse_branch
+from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
+from hax_jax.layers.init import dt_bias_init, linear
 from hax_jax.layers.norms import GatedRMSNorm
 from hax_jax.parallel import per_device, ssd_head_and_group_names, ssd_sequence_parallel
-from hax_jax.sharding import linear_axes
 
 XBC = ("x", "B", "C")  # the conv's parts, contiguous in in_proj's output
 
@@ -56,18 +54,6 @@ class Mamba2Mixer(nnx.Module):
             m.dt_limit,
         )
 
-        def linear(i, o, axes, scale=1.0):
-            init = torch_linear_init(i, scale)
-            return nnx.Linear(
-                i,
-                o,
-                use_bias=m.bias,
-                dtype=dtype,
-                kernel_init=init,
-                rngs=rngs,
-                **linear_axes(*axes),
-            )
-
         # Tensor parallelism (Mamba-2 paper §8.1): a device holds z, x, dt of its heads and B, C of
         # its groups (one group is replicated: every head reads it), so in_proj and the conv need no
         # communication; out_proj contracts the split d_inner: the block's one all-reduce.
@@ -77,9 +63,13 @@ class Mamba2Mixer(nnx.Module):
             Part("C", (g, n), ("groups", "state")),
         )
         self.in_proj = FusedLinear(
-            d, (Part("z", (e,), ("inner",)), *xbc, Part("dt", (h,), ("heads",))),
-            in_axis="embed", use_bias=m.bias, dtype=dtype, rngs=rngs,
-        )  # fmt: skip
+            d,
+            (Part("z", (e,), ("inner",)), *xbc, Part("dt", (h,), ("heads",))),
+            in_axis="embed",
+            use_bias=m.bias,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.conv1d = FusedConv1d(xbc, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
         self.dt_bias = nnx.Param(
             dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,)),
@@ -93,7 +83,15 @@ class Mamba2Mixer(nnx.Module):
         self.D = nnx.Param(jnp.ones((h,), jnp.float32), logical_axes=("heads",))
         self.norm = GatedRMSNorm(e, group_size=e // g, eps=cfg.norm_eps)
         # rescale_prenorm_residual
-        self.out_proj = linear(e, d, ("inner", "embed"), scale=1 / math.sqrt(cfg.n_layer))
+        self.out_proj = linear(
+            e,
+            d,
+            ("inner", "embed"),
+            rngs=rngs,
+            dtype=dtype,
+            use_bias=m.bias,
+            scale=1 / math.sqrt(cfg.n_layer),
+        )
         self.branch = sparse_branch(cfg, d_inner=e, d_state=n, rngs=rngs)
 
     def init_cache(self, batch: int, capacity: int = DEFAULT_CAPACITY) -> Mamba2Cache:
@@ -129,39 +127,63 @@ class Mamba2Mixer(nnx.Module):
                 "seq_idx (packed documents) is not supported with a sparse-attention branch"
             )
         b, l, _ = u.shape
-        # One shard_map from in_proj to the SSD (Mamba-2 paper §8.1): each device projects, convolves
-        # and scans its heads (and groups) with no communication, and the backward sums the input's
+        # One shard_map from in_proj to the SSD (Mamba-2 paper §8.1): each device projects,
+        # convolves and scans its heads (and groups) with no communication, and the backward sums
+        # the input's
         # gradient over "tensor" once, at the boundary (per part, GSPMD would all-reduce each).
         heads, groups = ssd_head_and_group_names(self.n_heads, self.ngroups)
         inner = "inner" if heads else None
-        part_axes = {"z": (inner,), "x": (inner,), "B": (groups, None), "C": (groups, None),
-                     "dt": (heads,)}  # fmt: skip
+        part_axes = {
+            "z": (inner,),
+            "x": (inner,),
+            "B": (groups, None),
+            "C": (groups, None),
+            "dt": (heads,),
+        }
         in_kernels, in_biases = self.in_proj.arrays()
         conv_kernels, conv_biases = self.conv1d.arrays()
-        conv_state = (
-            self.conv1d.init_state(b, self.dtype) if cache is None else cache.conv
-        )
+        conv_state = self.conv1d.init_state(b, self.dtype) if cache is None else cache.conv
         xbc = {k: part_axes[k] for k in ("x", "B", "C")}
         front = functools.partial(
             _front_shard, mixer=self, chunk_size=self.chunk_size, impl=self.ssd_impl
         )
         y, z, x, ssm_state, *conv_states = per_device(
             front,
-            dict(u=u, in_kernels=in_kernels, in_biases=in_biases, conv_kernels=conv_kernels,
-                 conv_biases=conv_biases, conv_states=unfuse(conv_state, self.conv1d.parts),
-                 dt_bias=self.dt_bias[...], A=-jnp.exp(self.A_log[...]), D=self.D[...],
-                 initial_state=None if cache is None else cache.ssm, seq_idx=seq_idx),
-            dict(u=("batch", "seq", None),
-                 in_kernels={k: (None, *v) for k, v in part_axes.items()}, in_biases=part_axes,
-                 conv_kernels={k: (None, *v) for k, v in xbc.items()}, conv_biases=xbc,
-                 conv_states={k: ("batch", None, *v) for k, v in xbc.items()},
-                 dt_bias=(heads,), A=(heads,), D=(heads,),
-                 initial_state=("batch", heads, None, None), seq_idx=("batch", "seq")),
-            [("batch", "seq", heads, None), ("batch", "seq", inner), ("batch", "seq", inner),
-             ("batch", heads, None, None),
-             *(("batch", None, *xbc[p.name]) for p in self.conv1d.parts)],
+            dict(
+                u=u,
+                in_kernels=in_kernels,
+                in_biases=in_biases,
+                conv_kernels=conv_kernels,
+                conv_biases=conv_biases,
+                conv_states=unfuse(conv_state, self.conv1d.parts),
+                dt_bias=self.dt_bias[...],
+                A=-jnp.exp(self.A_log[...]),
+                D=self.D[...],
+                initial_state=None if cache is None else cache.ssm,
+                seq_idx=seq_idx,
+            ),
+            dict(
+                u=("batch", "seq", None),
+                in_kernels={k: (None, *v) for k, v in part_axes.items()},
+                in_biases=part_axes,
+                conv_kernels={k: (None, *v) for k, v in xbc.items()},
+                conv_biases=xbc,
+                conv_states={k: ("batch", None, *v) for k, v in xbc.items()},
+                dt_bias=(heads,),
+                A=(heads,),
+                D=(heads,),
+                initial_state=("batch", heads, None, None),
+                seq_idx=("batch", "seq"),
+            ),
+            [
+                ("batch", "seq", heads, None),
+                ("batch", "seq", inner),
+                ("batch", "seq", inner),
+                ("batch", heads, None, None),
+                *(("batch", None, *xbc[p.name]) for p in self.conv1d.parts),
+            ],
             seq_aware=True,
-        )  # fmt: skip
+        )
         conv_state = fuse(
             dict(zip((p.name for p in self.conv1d.parts), conv_states, strict=True)),
             self.conv1d.parts,
@@ -190,18 +212,29 @@ class Mamba2Mixer(nnx.Module):
         y = y.reshape(u.shape[0], self.d_inner)
         sparse_cache = None
         if self.branch is not None:
-            o, sparse_cache = self.branch.step(
-                x.reshape(u.shape[0], self.d_inner), self.branch.decode_cache(cache)
-            )
+            o, sparse_cache = self.branch.step(x.reshape(u.shape[0], self.d_inner), cache)
             y = y + o.astype(jnp.float32)
         y = self.norm(y, z)
         return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, h, sparse_cache)
 
 
 def _front_shard(
-    u, in_kernels, in_biases, conv_kernels, conv_biases, conv_states, dt_bias, A, D,
-    initial_state, seq_idx, *, mixer: Mamba2Mixer, chunk_size: int, impl: str,
-):  # fmt: skip
+    u,
+    in_kernels,
+    in_biases,
+    conv_kernels,
+    conv_biases,
+    conv_states,
+    dt_bias,
+    A,
+    D,
+    initial_state,
+    seq_idx,
+    *,
+    mixer: Mamba2Mixer,
+    chunk_size: int,
+    impl: str,
+):
     """in_proj, conv + SiLU and the SSD of one device's rows, heads and groups (or of everything,
     outside shard_map): -> (y (b, l, h, p), z (b, l, e), x (b, l, e) post-conv, final SSM state,
     *the conv's new state per part)."""
@@ -216,7 +249,15 @@ def _front_shard(
     x, B, C = apart(jax.nn.silu(xBC), XBC, shapes[1:4]).values()
     x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)
     y, h = ssd_sequence_parallel(
-        x_blhp, jnp.clip(dt, *mixer.dt_limit), A, B, C, D, initial_state, seq_idx,
-        chunk_size=chunk_size, impl=impl,
-    )  # fmt: skip
+        x_blhp,
+        jnp.clip(dt, *mixer.dt_limit),
+        A,
+        B,
+        C,
+        D,
+        initial_state,
+        seq_idx,
+        chunk_size=chunk_size,
+        impl=impl,
+    )
     return (y, z, x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))

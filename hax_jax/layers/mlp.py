@@ -1,5 +1,6 @@
 """The SwiGLU MLP mixer ("mlp"): down(silu(gate(x)) * up(x)); position-wise, no state kept."""
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -8,8 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
-from hax_jax.layers.conv import torch_linear_init
-from hax_jax.sharding import linear_axes
+from hax_jax.layers import init
 
 
 class MlpCache(NamedTuple):
@@ -30,17 +30,7 @@ class SwiGLU(nnx.Module):
         d, f = cfg.d_model, mlp_hidden_dim(cfg)
         self.dtype = jnp.dtype(cfg.dtype)
 
-        def linear(i, o, axes, scale=1.0):
-            init = torch_linear_init(i, scale)
-            return nnx.Linear(
-                i,
-                o,
-                use_bias=False,
-                dtype=self.dtype,
-                kernel_init=init,
-                rngs=rngs,
-                **linear_axes(*axes),
-            )
+        linear = functools.partial(init.linear, rngs=rngs, dtype=self.dtype)
 
         # Megatron layout: d_ff split over "tensor", one all-reduce after down_proj.
         self.gate_proj = linear(d, f, ("embed", "mlp"))

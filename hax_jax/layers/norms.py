@@ -34,7 +34,8 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, y: jax.Array, z: jax.Array | None = None) -> jax.Array:
-        """y, z (..., dim) -> (..., dim); each group of `group_size` channels is normalised alone."""
+        """y, z (..., dim) -> (..., dim); each group of `group_size` channels is normalised
+        alone."""
         y32 = y.astype(jnp.float32)
         if z is not None:
             y32 = y32 * jax.nn.silu(z.astype(jnp.float32))

@@ -12,9 +12,10 @@ from hax_jax.layers.mamba2 import Mamba2Mixer
 from hax_jax.layers.mlp import SwiGLU
 from hax_jax.layers.norms import RMSNorm
 
-# Every mixer takes (cfg: ModelConfig, *, rngs) and offers __call__(x, *, cache, seq_idx, mask, rng) ->
-# (y, cache), step(x_t, cache) -> (y_t, cache) and init_cache(batch). `mask` (b, l) marks real tokens;
-# `rng` is given in training only (the sparse branch resamples its hash and ranking-loss candidates).
+# Every mixer takes (cfg: ModelConfig, *, rngs) and offers __call__(x, *, cache, seq_idx, mask, rng)
+# -> (y, cache), step(x_t, cache) -> (y_t, cache) and init_cache(batch). `mask` (b, l) marks real
+# tokens; `rng` is given in training only (the sparse branch resamples its hash and ranking-loss
+# candidates).
 MIXERS = {
     "mamba": MambaMixer,
     "mamba2": Mamba2Mixer,

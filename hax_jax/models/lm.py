@@ -12,7 +12,8 @@ from hax_jax.sharding import linear_axes, shard
 
 
 def rank_loss_sum(intermediates) -> jax.Array:
-    """Sum over layers of the sparse branches' ranking losses, from `nnx.capture(model, nnx.Intermediate)`.
+    """Sum over layers of the sparse branches' ranking losses, from `nnx.capture(model,
+    nnx.Intermediate)`.
 
     Training adds cfg.sparse.rank_loss_weight times this to the task loss (HAX paper eq. 18).
     """
@@ -26,8 +27,8 @@ def _block(layer: ResidualBlock, x, cache, seq_idx, mask, rng):
 
 # Saves nothing inside a block: the backward keeps each block's input (the residual stream,
 # b x l x d) and recomputes the block. Saving the matmul outputs too
-# (dots_with_no_batch_dims_saveable) would keep in_proj's outputs (b, l, 2e + 2gn + h), several times the
-# residual, at every layer: the memory remat is there to save.
+# (dots_with_no_batch_dims_saveable) would keep in_proj's outputs (b, l, 2e + 2gn + h), several
+# times the residual, at every layer: the memory remat is there to save.
 # nnx.remat (not jax.checkpoint) carries the sown ranking loss out to nnx.capture.
 _remat_block = nnx.remat(_block, policy=jax.checkpoint_policies.nothing_saveable)
 
@@ -63,8 +64,9 @@ class LanguageModel(nnx.Module):
     def __call__(self, tokens: jax.Array, *, seq_idx=None, mask=None, rng=None) -> jax.Array:
         """tokens (b, l) int -> logits (b, l, padded_vocab_size) fp32.
 
-        `mask` (b, l) marks real tokens (padding is False); `rng` switches training behaviour on (the
-        sparse branch resamples its hash projection and sows its ranking loss as nnx.Intermediate).
+        `mask` (b, l) marks real tokens (padding is False); `rng` switches training behaviour on
+        (the sparse branch resamples its hash projection and sows its ranking loss as
+        nnx.Intermediate).
         """
         return self.forward(tokens, seq_idx=seq_idx, mask=mask, rng=rng)[0]
 
@@ -75,7 +77,8 @@ class LanguageModel(nnx.Module):
     def forward(
         self, tokens: jax.Array, *, cache: tuple | None = None, seq_idx=None, mask=None, rng=None
     ):
-        """Parallel mode from `cache` (or a fresh start): tokens (b, l) -> (logits, cache after them).
+        """Parallel mode from `cache` (or a fresh start): tokens (b, l) -> (logits, cache after
+        them).
 
         Used for training (cache ignored), prefill and chunked prefill.
         """

@@ -1,4 +1,5 @@
-"""Mamba-1 selective scan (S6) in Pallas: one fused forward scan, one fused reverse scan.
+"""Mamba-1 selective scan (S6) in Pallas: the per-step math that its gpu (kernel_gpu.py) and tpu
+(kernel_tpu.py) kernels share; pallas.py pads the inputs and picks the variant.
 
 The state h (d, n) stays on chip: the discretisation (exp(dt A), dt B x) happens inside the
 kernel, and only y, the final state and, for the backward, the state every chunk_bwd steps
@@ -15,355 +16,153 @@ carrying dh:
     dx_t  = dt_t s_t + D dy_t          ddt_t = x_t s_t + sum_n g_t A          dA += g_t dt_t
     dh_{t-1} = exp(dt_t A) dh_t
 dB and dC come out per channel block and are summed in JAX in fp32 (gpu: the partials in
-bf16 when B / C are bf16, see _partial_dtype), dA and dD per batch row; dD
+bf16 when B / C are bf16, see kernel_gpu.partial_dtype), dA and dD per batch row; dD
 (= sum_t dout silu(z) x) is taken per chunk on whole tiles.
 
-Variants share the per-step math (steps.py) on 2-D tiles whose channel and state axes they
-choose: "gpu" (Triton, this file) holds the state (block_d, n) in registers, grid (batch,
-channel blocks), chunks looped inside the kernel, per-step outputs and saved states gathered
-into one tile per chunk and stored once (small stores cost far more than their bytes: one
-store per 4 steps instead of per 16 made the forward 1.3x slower); "tpu" (Mosaic,
-kernel_tpu.py) holds it (n, block_d) with channels on lanes, grid (batch, channel blocks,
-chunks) with the chunk axis sequential. Tiling: tiling.py.
+Both variants hold the state of one channel block as a 2-D fp32 tile and differ only in
+which axis carries the channels: gpu (block_d, n), tpu (n, block_d) with channels on lanes.
+Per-channel inputs (x, dt, z, dout) and per-state inputs (B, C) come as 2-D vectors that
+broadcast against the tile, so the same code serves both layouts. The steps of a chunk are
+unrolled in Python, so their loads, which do not depend on the state, can be issued ahead of
+the steps that use them.
 """
 
-import functools
+import dataclasses
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from ..backend import compiler_params, interpret_for
-from .kernel_tpu import tpu_backward, tpu_forward
-from .steps import (
-    F32,
-    LOG2E,
-    Axes,
-    Step,
-    backward_steps,
-    chunk_dD,
-    forward_steps,
-    split_backward_refs,
-)
-from .tiling import BlockSizes, geometry, pad_to, padded_inputs, resolve_block_sizes
-
-# ---------------------------------------------------------------- gpu (Triton) kernels
-
-GPU_AXES = Axes(channel=0, state=1, keepdims=False)  # state tile (block_d, n)
+F32 = jnp.float32
+LOG2E = math.log2(math.e)  # exp(dt A) = exp2(dt A log2(e)): one multiply less per step
 
 
-class _LazyStep:
-    """A Step whose rows are loaded at their first use: the backward's reverse pass loads z,
-    dout and C only when it reaches the step, instead of keeping them live through the
-    recompute pass."""
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """Layout of a state tile: the axis of the channels (d), the axis of the state index (n),
+    and whether per-channel and per-state vectors keep the tile's rank (tpu) or are 1-D
+    (gpu: a 1-D reduction result feeds stores and elementwise ops in its own Triton layout,
+    where a (block_d, 1) column would take a layout conversion through shared memory)."""
 
-    def __init__(self, t, refs):
-        self._t, self._refs = t, refs
+    channel: int
+    state: int
+    keepdims: bool
 
-    def __getattr__(self, name):
-        ref = self._refs[name]
-        value = None if ref is None else ref[self._t, :].astype(F32)
-        setattr(self, name, value)  # later reads find the attribute: one load per row
-        return value
+    def channel_tile(self, v):
+        """A per-channel vector as an operand broadcasting against the tile."""
+        return v if self.keepdims else jnp.expand_dims(v, self.state)
 
+    def state_tile(self, v):
+        """A per-state vector as an operand broadcasting against the tile."""
+        return v if self.keepdims else jnp.expand_dims(v, self.channel)
 
-def _gpu_steps(t0, chunk, x_ref, dt_ref, z_ref, dout_ref, b_ref, c_ref, *, lazy=False):
-    """The steps t0 .. t0 + chunk - 1; lazy=False loads every row now, before any step runs
-    (the forward: all loads of the chunk in flight together)."""
-    refs = dict(x=x_ref, dt=dt_ref, z=z_ref, dout=dout_ref, B=b_ref, C=c_ref)
-    steps = [_LazyStep(t0 + i, refs) for i in range(chunk)]
-    if lazy:
-        return steps
-    return [Step(*(getattr(s, name) for name in Step._fields)) for s in steps]
+    def sum_state(self, tile):
+        """Sum over n: a per-channel vector."""
+        return jnp.sum(tile, axis=self.state, keepdims=self.keepdims)
 
-
-def _put(tile, axis, i, v):
-    """tile with its column (axis 1: v per channel) or row (axis 0: v per state) i set to v.
-
-    Per-step outputs are gathered into one tile per chunk and stored once: a (block_d,) vector
-    stored on its own would first move through shared memory (a barrier every step), while
-    these selects stay in the state tile's register layout."""
-    v = jnp.expand_dims(v, axis)
-    return jnp.where(jax.lax.broadcasted_iota(jnp.int32, tile.shape, axis) == i, v, tile)
+    def sum_channel(self, tile):
+        """Sum over the block's channels: a per-state vector."""
+        return jnp.sum(tile, axis=self.channel, keepdims=self.keepdims)
 
 
-def _gpu_forward_kernel(*refs, chunk, num_chunks, save_every, has_z, has_h0, save_states):
-    """One (batch row, channel block): all chunks in order, the state in registers."""
+class Step(NamedTuple):
+    """One time step's inputs in fp32: x, dt, z, dout per channel (z, dout may be None) and
+    B, C per state, shaped as the tile's Axes shape such vectors."""
+
+    x: jax.Array
+    dt: jax.Array
+    z: jax.Array | None
+    dout: jax.Array | None
+    B: jax.Array
+    C: jax.Array
+
+
+class StepGrads(NamedTuple):
+    """One time step's gradients: dx, ddt, dz (None without z) per channel; dB, dC per state
+    (partial sums over the block's channels)."""
+
+    dx: jax.Array
+    ddt: jax.Array
+    dz: jax.Array | None
+    dB: jax.Array
+    dC: jax.Array
+
+
+def forward_steps(h, steps, A2, D, axes, emit):
+    """Advance state tile h over `steps`; emit(i, y_i) per step; return the last state.
+
+    A2 = A log2(e) (a tile); D per channel; y_i = (C_i . h_i + D x_i) silu(z_i) in fp32."""
+    ch, st = axes.channel_tile, axes.state_tile
+    for i, s in enumerate(steps):
+        h = jnp.exp2(ch(s.dt) * A2) * h + ch(s.dt * s.x) * st(s.B)
+        y = axes.sum_state(h * st(s.C)) + D * s.x
+        emit(i, y if s.z is None else y * silu(s.z))
+    return h
+
+
+def backward_steps(h_start, dh, dA, steps, A, A2, D, axes, emit):
+    """Reverse mode of forward_steps from the chunk's start state h_start.
+
+    dh: dL/dh at the chunk's last step (from later chunks); dA: running sum (a tile). The
+    chunk's states are recomputed (`chunk` state tiles live at once), then emit(i, StepGrads)
+    runs for i from last to first. Returns (dh before the chunk, dA).
+    """
+    ch, st = axes.channel_tile, axes.state_tile
+    states = [h_start]
+    for s in steps:
+        states.append(jnp.exp2(ch(s.dt) * A2) * states[-1] + ch(s.dt * s.x) * st(s.B))
+    for i in reversed(range(len(steps))):
+        s, h_prev, h = steps[i], states[i], states[i + 1]
+        decay = jnp.exp2(ch(s.dt) * A2)  # recomputed: cheaper than `chunk` more live tiles
+        dy, dz = s.dout, None
+        if s.z is not None:
+            sig = jax.nn.sigmoid(s.z)
+            y = axes.sum_state(h * st(s.C)) + D * s.x
+            dz = s.dout * y * sig * (1.0 + s.z * (1.0 - sig))
+            dy = s.dout * s.z * sig
+        dh = dh + ch(dy) * st(s.C)
+        ds = axes.sum_state(dh * st(s.B))
+        g = dh * decay * h_prev
+        emit(
+            i,
+            StepGrads(
+                dx=s.dt * ds + D * dy,
+                ddt=s.x * ds + axes.sum_state(g * A),
+                dz=dz,
+                dB=axes.sum_channel(dh * ch(s.dt * s.x)),
+                dC=axes.sum_channel(ch(dy) * h),
+            ),
+        )
+        dA = dA + g * ch(s.dt)
+        dh = decay * dh
+    return dh, dA
+
+
+def chunk_dD(x, z, dout, keepdims):
+    """dL/dD of one chunk from its (chunk, block_d) tiles: sum_t dout_t silu(z_t) x_t (fp32).
+
+    Taken per chunk on whole tiles, apart from the steps: on gpu a per-step term would be
+    computed again, loads included, in the layout of its accumulator (a layout of its own)."""
+    x, dout = x.astype(F32), dout.astype(F32)
+    dy = dout if z is None else dout * silu(z.astype(F32))
+    return jnp.sum(dy * x, axis=0, keepdims=keepdims)
+
+
+def silu(z):
+    """z sigmoid(z)."""
+    return z * jax.nn.sigmoid(z)
+
+
+def split_backward_refs(refs, has_z):
+    """The backward kernels' refs by name (both variants take them in this order): x, dt, z,
+    dout, B, C, A, D, chunk-start states, final-state cotangent, then the outputs dx, ddt, dz,
+    dB, dC, dA, dD, d initial state; z and dz are None unless has_z."""
     refs = list(refs)
-    # inputs: x, dt (l, bd); z (l, bd) if has_z; B, C (l, n); A (bd, n); D (bd,); h0 (bd, n)
     x_ref, dt_ref = refs.pop(0), refs.pop(0)
     z_ref = refs.pop(0) if has_z else None
-    b_ref, c_ref, a_ref, d_ref = refs[:4]
-    del refs[:4]
-    h0_ref = refs.pop(0) if has_h0 else None
-    # outputs: y (l, bd); final state (bd, n); the state every save_every steps
-    # (l / save_every, bd, n) if save_states
-    y_ref, hT_ref = refs.pop(0), refs.pop(0)
-    hs_ref = refs.pop(0) if save_states else None
-
-    A = a_ref[...]
-    A2, D = A * LOG2E, d_ref[...]
-    bd = A.shape[0]
-    per_chunk = chunk // save_every
-
-    def chunk_body(c, h):
-        """Scan chunk c from state h."""
-        t0 = pl.multiple_of(c * chunk, chunk)
-        steps = _gpu_steps(t0, chunk, x_ref, dt_ref, z_ref, None, b_ref, c_ref)
-        out = {"y": jnp.zeros((bd, chunk), F32)}
-        # Saved states gathered, stored once per chunk (H100, (2, 8192, 5120, 16): forward
-        # 2.49 ms, 3.23 storing each on its own).
-        saved = jnp.zeros((per_chunk, bd, A.shape[1]), F32)
-        for j in range(per_chunk):
-            saved = _put(saved, 0, j, h)
-
-            def emit(i, y, j=j):
-                out["y"] = _put(out["y"], 1, j * save_every + i, y)
-
-            part = steps[j * save_every : (j + 1) * save_every]
-            h = forward_steps(h, part, A2, D, GPU_AXES, emit)
-        y_ref[pl.ds(t0, chunk), :] = out["y"].T.astype(y_ref.dtype)
-        if hs_ref is not None:
-            hs_ref[pl.ds(c * per_chunk, per_chunk)] = saved
-        return h
-
-    h = h0_ref[...] if has_h0 else jnp.zeros(A.shape, F32)
-    hT_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk_body, h)
-
-
-def _gpu_backward_kernel(*refs, chunk, num_chunks, has_z):
-    """One (batch row, channel block): chunks last to first, dh, dA, dD in registers."""
-    # inputs: x, dt (l, bd); z if has_z; dout (l, bd); B, C (l, n); A (bd, n); D (bd,); the
-    # chunk-start states; the final-state cotangent (bd, n). outputs: dx, ddt (l, bd); dz if
-    # has_z; dB, dC partials (l, n); dA (bd, n); dD (bd,); d initial state (bd, n)
-    (x_ref, dt_ref, z_ref, dout_ref, b_ref, c_ref, a_ref, d_ref, hs_ref, dfinal_ref, dx_ref,
-     ddt_ref, dz_ref, db_ref, dc_ref, da_ref, dd_ref, dh0_ref) = split_backward_refs(
-        refs, has_z)  # fmt: skip
-
-    A = a_ref[...]
-    A2, D = A * LOG2E, d_ref[...]
-    bd, n = A.shape
-    per_channel = {"dx": dx_ref, "ddt": ddt_ref, "dz": dz_ref}  # dz_ref None without z
-    per_state = {"dB": db_ref, "dC": dc_ref}
-
-    def chunk_body(k, carry):
-        """Back-propagate through chunk num_chunks - 1 - k."""
-        dh, dA, dD = carry
-        c = num_chunks - 1 - k
-        t0 = pl.multiple_of(c * chunk, chunk)
-        steps = _gpu_steps(t0, chunk, x_ref, dt_ref, z_ref, dout_ref, b_ref, c_ref, lazy=True)
-        channel_tiles = [name for name, r in per_channel.items() if r is not None]
-        out = {name: jnp.zeros((bd, chunk), F32) for name in channel_tiles}
-        out.update({name: jnp.zeros((chunk, n), F32) for name in per_state})
-
-        def emit(i, g):
-            for name in out:
-                out[name] = _put(out[name], 1 if name in channel_tiles else 0, i, getattr(g, name))
-
-        dh, dA = backward_steps(hs_ref[c], dh, dA, steps, A, A2, D, GPU_AXES, emit)
-        rows = pl.ds(t0, chunk)
-        for name, tile in out.items():
-            if name in per_state:
-                per_state[name][rows, :] = tile.astype(per_state[name].dtype)
-            else:
-                per_channel[name][rows, :] = tile.T.astype(per_channel[name].dtype)
-        z_tile = None if z_ref is None else z_ref[rows, :]
-        return dh, dA, dD + chunk_dD(x_ref[rows, :], z_tile, dout_ref[rows, :], keepdims=False)
-
-    init = (dfinal_ref[...], jnp.zeros(A.shape, F32), jnp.zeros(D.shape, F32))
-    dh, dA, dD = jax.lax.fori_loop(0, num_chunks, chunk_body, init)
-    dh0_ref[...] = dh
-    da_ref[...] = dA
-    dd_ref[...] = dD
-
-
-def _gpu_specs(geo):
-    """BlockSpecs of the gpu grid (batch, channel block): whole sequences per program."""
-    bd, n, l = geo.block_d, geo.n_pad, geo.l_pad
-    return dict(
-        seq=pl.BlockSpec((None, l, bd), lambda i, j: (i, 0, j)),
-        bc=pl.BlockSpec((None, l, n), lambda i, j: (i, 0, 0)),
-        A=pl.BlockSpec((bd, n), lambda i, j: (j, 0)),
-        D=pl.BlockSpec((bd,), lambda i, j: (j,)),
-        state=pl.BlockSpec((None, bd, n), lambda i, j: (i, j, 0)),
-        states=pl.BlockSpec((None, geo.num_saved, bd, n), lambda i, j: (i, 0, j, 0)),
-        partial_bc=pl.BlockSpec((None, None, l, n), lambda i, j: (i, j, 0, 0)),
-        per_channel=pl.BlockSpec((None, bd), lambda i, j: (i, j)),
-    )
-
-
-def _gpu_forward(geo, p, *, save_states, num_warps, interpret):
-    """pallas_call of the gpu forward on padded inputs: (y, final, chunk-start states)."""
-    b = p["x"].shape[0]
-    s = _gpu_specs(geo)
-    names = ["x", "dt"] + ["z"] * (p["z"] is not None) + ["B", "C", "A", "D"]
-    names += ["h0"] * (p["h0"] is not None)
-    spec_of = dict(x="seq", dt="seq", z="seq", B="bc", C="bc", A="A", D="D", h0="state")
-    out_shape = [
-        jax.ShapeDtypeStruct((b, geo.l_pad, geo.d_pad), p["x"].dtype),
-        jax.ShapeDtypeStruct((b, geo.d_pad, geo.n_pad), F32),
-    ]
-    out_specs = [s["seq"], s["state"]]
-    if save_states:
-        out_shape.append(jax.ShapeDtypeStruct((b, geo.num_saved, geo.d_pad, geo.n_pad), F32))
-        out_specs.append(s["states"])
-    kernel = functools.partial(
-        _gpu_forward_kernel,
-        chunk=geo.chunk,
-        num_chunks=geo.num_chunks,
-        save_every=geo.save_every,
-        has_z=p["z"] is not None,
-        has_h0=p["h0"] is not None,
-        save_states=save_states,
-    )
-    outs = pl.pallas_call(
-        kernel,
-        grid=(b, geo.num_blocks),
-        in_specs=[s[spec_of[k]] for k in names],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=compiler_params("gpu", num_warps=num_warps, num_stages=1),
-        interpret=interpret_for("gpu", interpret),
-    )(*[p[k] for k in names])
-    return outs[0], outs[1], (outs[2] if save_states else None)
-
-
-def _partial_dtype(dtype):
-    """dtype of the gpu backward's per-channel-block dB or dC partials for B or C of `dtype`.
-
-    bf16 for bf16 B / C: the partials (2 x (b, l, n) per 8 channels, 1.34 GB each in fp32 at
-    (2, 8192, 5120, 16)) are written and summed at memory speed, and in bf16 the backward plus
-    their sum took 4.34 + 0.24 ms instead of 4.77 + 0.44 (H100). Each 8-channel partial is
-    rounded once, which adds about half again to the error of rounding the exact result to
-    bf16 (relative rms 2.7e-3 vs 1.7e-3 in the test pinning it). fp32 otherwise (fp16 would
-    also lose range)."""
-    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else F32
-
-
-def _gpu_backward(geo, p, states, dout, dfinal, *, partial_dtypes, num_warps, interpret):
-    """pallas_call of the gpu backward: dx, ddt, dz, dB/dC (from partials of partial_dtypes
-    summed in fp32), dA/dD per row, dh0."""
-    b = p["x"].shape[0]
-    s = _gpu_specs(geo)
-    has_z = p["z"] is not None
-    seq_shape = (b, geo.l_pad, geo.d_pad)
-    ins = [p["x"], p["dt"]] + [p["z"]] * has_z + [dout, p["B"], p["C"], p["A"], p["D"]]
-    ins += [states, dfinal]
-    in_specs = [s["seq"]] * (3 + has_z) + [s["bc"], s["bc"], s["A"], s["D"], s["states"]]
-    in_specs.append(s["state"])
-    out_shape = [jax.ShapeDtypeStruct(seq_shape, p["x"].dtype)]
-    out_shape += [jax.ShapeDtypeStruct(seq_shape, p["dt"].dtype)]
-    if has_z:
-        out_shape.append(jax.ShapeDtypeStruct(seq_shape, p["z"].dtype))
-    partials = [
-        jax.ShapeDtypeStruct((b, geo.num_blocks, geo.l_pad, geo.n_pad), dtype)
-        for dtype in partial_dtypes
-    ]
-    state = jax.ShapeDtypeStruct((b, geo.d_pad, geo.n_pad), F32)
-    out_shape += [*partials, state, jax.ShapeDtypeStruct((b, geo.d_pad), F32), state]
-    out_specs = [s["seq"]] * (2 + has_z) + [s["partial_bc"], s["partial_bc"], s["state"]]
-    out_specs += [s["per_channel"], s["state"]]
-    kernel = functools.partial(
-        _gpu_backward_kernel, chunk=geo.chunk, num_chunks=geo.num_chunks, has_z=has_z
-    )
-    outs = pl.pallas_call(
-        kernel,
-        grid=(b, geo.num_blocks),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=compiler_params("gpu", num_warps=num_warps, num_stages=1),
-        interpret=interpret_for("gpu", interpret),
-    )(*ins)
-    dx, ddt, *outs = outs
-    dz = outs.pop(0) if has_z else None
-    dB, dC, dA, dD, dh0 = outs
-    dB, dC = (partial.sum(axis=1, dtype=F32) for partial in (dB, dC))
-    return dx, ddt, dz, dB, dC, dA.sum(axis=0), dD.sum(axis=0), dh0
-
-
-# ---------------------------------------------------------------- entry points
-
-
-def _fit_channels(states, variant, d_pad):
-    """Saved chunk-start states cropped or zero-padded to d_pad channels (gpu layout
-    (b, c, d, n), tpu (b, c, n, d)): forward and backward may block channels differently."""
-    axis = 2 if variant == "gpu" else 3
-    states = jax.lax.slice_in_dim(states, 0, min(d_pad, states.shape[axis]), axis=axis)
-    shape = list(states.shape)
-    shape[axis] = d_pad
-    return pad_to(states, tuple(shape))
-
-
-def forward(
-    x, dt, A, B, C, D=None, z=None, initial_state=None, *, variant, interpret=None,
-    chunk=None, chunk_bwd=None, block_d=None, num_warps=None, save_states=False,
-):  # fmt: skip
-    """Pallas selective scan forward; same contract as selective_scan_reference.
-
-    Returns (y (b, l, d) in x.dtype, final state (b, d, n) fp32, states): states are the fp32
-    states every chunk_bwd steps, the residual `backward` needs (None unless save_states).
-    chunk, chunk_bwd, block_d, num_warps: tuning knobs (see BlockSizes), None =
-    the variant's default; interpret: None = compiled on the variant's hardware only."""
-    sizes = resolve_block_sizes(
-        variant,
-        BlockSizes(chunk=chunk, chunk_bwd=chunk_bwd, block_d=block_d, num_warps=num_warps),
-    )  # fmt: skip
-    _, l, d = x.shape
-    n = A.shape[1]
-    geo = geometry(variant, l, d, n, sizes.chunk, sizes.chunk_bwd, sizes.block_d)
-    p = padded_inputs(geo, x, dt, A, B, C, D, z, initial_state)
-    if variant == "gpu":
-        y, final, states = _gpu_forward(
-            geo, p, save_states=save_states, num_warps=sizes.num_warps, interpret=interpret
-        )
-    else:
-        y, final, states = tpu_forward(geo, p, save_states=save_states, interpret=interpret)
-    if states is not None:
-        states = _fit_channels(states, variant, d)
-    return y[:, :l, :d], final[:, :d, :n], states
-
-
-def backward(
-    x, dt, A, B, C, D, z, initial_state, states, dout, dfinal, *, variant, interpret=None,
-    chunk_bwd=None, block_d=None, num_warps=None,
-):  # fmt: skip
-    """Gradients of forward's (y, final state) given their cotangents dout, dfinal.
-
-    `states` comes from forward(..., save_states=True) with the same chunk_bwd, which is the
-    length of the backward's chunks. Returns (dx, ddt, dA, dB, dC, dD, dz, d initial_state):
-    dx, ddt, dz in the dtypes of x, dt, z, the rest fp32; dz and d initial_state are None
-    when z and initial_state are."""
-    sizes = resolve_block_sizes(
-        variant,
-        BlockSizes(chunk=chunk_bwd, chunk_bwd=chunk_bwd, block_d=block_d, num_warps=num_warps),
-    )  # fmt: skip
-    b, l, d = x.shape
-    n = A.shape[1]
-    geo = geometry(variant, l, d, n, sizes.chunk_bwd, sizes.chunk_bwd, sizes.block_d)
-    if states.shape[1] < geo.num_chunks:
-        raise ValueError(
-            f"states hold {states.shape[1]} saved states, chunk_bwd={geo.chunk} needs "
-            f"{geo.num_chunks}: call backward with forward's chunk_bwd"
-        )
-    p = padded_inputs(geo, x, dt, A, B, C, D, z, initial_state)
-    # The forward may have padded further (to its longer chunks): drop the states it saved
-    # in that padding.
-    states = _fit_channels(states[:, : geo.num_chunks], variant, geo.d_pad)
-    dout = pad_to(dout, (b, geo.l_pad, geo.d_pad))
-    dfinal = pad_to(dfinal.astype(F32), (b, geo.d_pad, geo.n_pad))
-    if variant == "gpu":
-        partial_dtypes = (_partial_dtype(B.dtype), _partial_dtype(C.dtype))
-        grads = _gpu_backward(
-            geo, p, states, dout, dfinal, partial_dtypes=partial_dtypes,
-            num_warps=sizes.num_warps, interpret=interpret,
-        )  # fmt: skip
-    else:
-        grads = tpu_backward(geo, p, states, dout, dfinal, interpret=interpret)
-    dx, ddt, dz, dB, dC, dA, dD, dh0 = grads
-    seq = (slice(None), slice(0, l), slice(0, d))
-    return (
-        dx[seq], ddt[seq], dA[:d, :n], dB[:, :l, :n], dC[:, :l, :n], dD[:d],
-        None if dz is None else dz[seq],
-        None if initial_state is None else dh0[:, :d, :n],
-    )  # fmt: skip
+    inputs = refs[:7]
+    del refs[:7]
+    dx_ref, ddt_ref = refs.pop(0), refs.pop(0)
+    dz_ref = refs.pop(0) if has_z else None
+    return (x_ref, dt_ref, z_ref, *inputs, dx_ref, ddt_ref, dz_ref, *refs)

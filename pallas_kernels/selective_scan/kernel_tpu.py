@@ -4,7 +4,7 @@ The chunk axis is sequential ("arbitrary"): the state (n, block_d), channels on 
 in the final-state output block, which stays in VMEM while its block index does not change,
 and the backward keeps dh, dA and dD the same way in its own resident outputs. Each grid
 step moves one chunk of x, dt, z (chunk, block_d) and B, C (chunk, n) into VMEM and runs the
-steps of steps.py on static row slices of those tiles. Outputs are assembled as whole tiles
+steps of kernel.py on static row slices of those tiles. Outputs are assembled as whole tiles
 by masked selects (no single-row stores into packed bf16 blocks) and written once per step.
 Block shapes end in (8k, 128k) or whole axes: x-like blocks (chunk, block_d), B-like
 (chunk, n), states (n, block_d), per-step dB / dC partials (n, chunk).
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from .steps import (
+from .kernel import (
     F32,
     LOG2E,
     Axes,
@@ -101,9 +101,26 @@ def _tpu_backward_kernel(*refs, chunk, has_z):
     # D (1, bd); this chunk's start state (1, n, bd); the final-state cotangent (n, bd).
     # outputs: dx, ddt (chunk, bd); dz if has_z; dB, dC partials (n, chunk); dA (n, bd);
     # dD (1, bd); d initial state (n, bd)
-    (x_ref, dt_ref, z_ref, dout_ref, b_ref, c_ref, a_ref, d_ref, hs_ref, dfinal_ref, dx_ref,
-     ddt_ref, dz_ref, db_ref, dc_ref, da_ref, dd_ref, dh0_ref) = split_backward_refs(
-        refs, has_z)  # fmt: skip
+    (
+        x_ref,
+        dt_ref,
+        z_ref,
+        dout_ref,
+        b_ref,
+        c_ref,
+        a_ref,
+        d_ref,
+        hs_ref,
+        dfinal_ref,
+        dx_ref,
+        ddt_ref,
+        dz_ref,
+        db_ref,
+        dc_ref,
+        da_ref,
+        dd_ref,
+        dh0_ref,
+    ) = split_backward_refs(refs, has_z)
 
     @pl.when(pl.program_id(2) == 0)
     def _():
@@ -240,6 +257,12 @@ def tpu_backward(geo, p, states, dout, dfinal, *, interpret):
         return jnp.swapaxes(partial_bjcnk.sum(axis=1), 2, 3).reshape(b, geo.l_pad, geo.n_pad)
 
     return (
-        dx, ddt, dz, per_step(dB), per_step(dC), dA.sum(axis=0).T, dD.sum(axis=(0, 1)),
+        dx,
+        ddt,
+        dz,
+        per_step(dB),
+        per_step(dC),
+        dA.sum(axis=0).T,
+        dD.sum(axis=(0, 1)),
         jnp.swapaxes(dh0, 1, 2),
-    )  # fmt: skip
+    )

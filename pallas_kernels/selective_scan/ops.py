@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from .. import backend
 from ..checks import check_float, check_shape
-from . import kernel, tiling
+from . import pallas, tiling
 from .associative import selective_scan_associative
 from .reference import selective_scan_reference
 
@@ -57,32 +57,54 @@ def _check_pallas(arrays, variant, block_sizes):
 
 def _fwd_knobs(sizes):
     """Forward kernel keyword arguments of a resolved BlockSizes."""
-    return dict(chunk=sizes.chunk, chunk_bwd=sizes.chunk_bwd, block_d=sizes.block_d,
-                num_warps=sizes.num_warps)  # fmt: skip
+    return dict(
+        chunk=sizes.chunk,
+        chunk_bwd=sizes.chunk_bwd,
+        block_d=sizes.block_d,
+        num_warps=sizes.num_warps,
+    )
 
 
 def _bwd_knobs(sizes):
     """Backward kernel keyword arguments of a resolved BlockSizes."""
-    return dict(chunk_bwd=sizes.chunk_bwd, block_d=sizes.block_d_bwd,
-                num_warps=sizes.num_warps_bwd)  # fmt: skip
+    return dict(chunk_bwd=sizes.chunk_bwd, block_d=sizes.block_d_bwd, num_warps=sizes.num_warps_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
     """(y, final state) by the Pallas kernels, differentiable through the fused backward."""
-    y, final, _ = kernel.forward(
-        x, dt, A, B, C, D, z, initial_state, variant=variant, interpret=interpret,
+    y, final, _ = pallas.forward(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        initial_state,
+        variant=variant,
+        interpret=interpret,
         **_fwd_knobs(sizes),
-    )  # fmt: skip
+    )
     return y, final
 
 
 def _pallas_scan_fwd(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
     """Forward that also saves the state every chunk_bwd steps for the backward."""
-    y, final, states = kernel.forward(
-        x, dt, A, B, C, D, z, initial_state, variant=variant, interpret=interpret,
-        save_states=True, **_fwd_knobs(sizes),
-    )  # fmt: skip
+    y, final, states = pallas.forward(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        initial_state,
+        variant=variant,
+        interpret=interpret,
+        save_states=True,
+        **_fwd_knobs(sizes),
+    )
     return (y, final), (x, dt, A, B, C, D, z, initial_state, states)
 
 
@@ -90,15 +112,33 @@ def _pallas_scan_bwd(variant, interpret, sizes, residuals, cotangents):
     """Cotangents of every input (None for absent optional ones), in the inputs' dtypes."""
     x, dt, A, B, C, D, z, initial_state, states = residuals
     dout, dfinal = cotangents
-    dx, ddt, dA, dB, dC, dD, dz, dh0 = kernel.backward(
-        x, dt, A, B, C, D, z, initial_state, states, dout, dfinal, variant=variant,
-        interpret=interpret, **_bwd_knobs(sizes),
-    )  # fmt: skip
+    dx, ddt, dA, dB, dC, dD, dz, dh0 = pallas.backward(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        initial_state,
+        states,
+        dout,
+        dfinal,
+        variant=variant,
+        interpret=interpret,
+        **_bwd_knobs(sizes),
+    )
     cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
     return (
-        dx, ddt, cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), dz,
+        dx,
+        ddt,
+        cast(dA, A),
+        cast(dB, B),
+        cast(dC, C),
+        cast(dD, D),
+        dz,
         cast(dh0, initial_state),
-    )  # fmt: skip
+    )
 
 
 _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
@@ -107,9 +147,14 @@ _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "return_final_state", "impl", "chunk_size", "variant", "interpret", "block_sizes"
+        "return_final_state",
+        "impl",
+        "chunk_size",
+        "variant",
+        "interpret",
+        "block_sizes",
     ),
-)  # fmt: skip
+)
 def selective_scan(
     x,
     dt,

@@ -1,6 +1,6 @@
 """Tiling of the Pallas selective scan: tuning knobs, chunk and channel blocking, padding.
 
-Shared by the gpu (kernel.py) and tpu (kernel_tpu.py) variants. Padding is inert: padded
+Shared by the gpu (kernel_gpu.py) and tpu (kernel_tpu.py) variants. Padding is inert: padded
 steps have dt = 0 (decay 1, no input), padded channels x = dt = 0, padded state columns
 A = B = C = 0 (decay 1, no input, no output), so the kernels never mask.
 """
@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from ..backend import check_variant
-from .steps import F32
+from .kernel import F32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,8 +62,12 @@ def resolve_block_sizes(variant, block_sizes=None):
             if value & (value - 1):
                 raise ValueError(f"block_sizes.{name} must be a power of two on gpu, got {value}")
     else:  # Mosaic: blocks end in (8k, 128k)
-        for name, multiple in (("chunk", 8), ("chunk_bwd", 8), ("block_d", 128),
-                               ("block_d_bwd", 128)):  # fmt: skip
+        for name, multiple in (
+            ("chunk", 8),
+            ("chunk_bwd", 8),
+            ("block_d", 128),
+            ("block_d_bwd", 128),
+        ):
             value = getattr(sizes, name)
             if value % multiple:
                 raise ValueError(

@@ -1,5 +1,6 @@
 """HAX context-dependent sparse attention (sw / sink / dilated / lsh / ks / full), with decode."""
 
+from .decode import SparseAttentionCache
 from .ops import (
     init_cache,
     prefill_cache,
@@ -14,7 +15,6 @@ from .reference import (
     sparse_attention_reference,
 )
 from .spec import SparseSpec
-from .step import SparseAttentionCache
 
 __all__ = [
     "SparseAttentionCache",

@@ -3,7 +3,7 @@
 Sequence parallelism splits the sequence into contiguous shards; query i of shard s attends to
 the union of its components' keys over the WHOLE prefix 0..i, as on one device. Every component
 keeps a bounded set of the earlier keys that any later query can select, exactly what the decode
-cache holds (step.py): per LSH bucket the kc most recent keys, the kc best-scored keys (ks), the
+cache holds (decode.py): per LSH bucket the kc most recent keys, the kc best-scored keys (ks), the
 last kc keys (sw), the first kc keys (sink), the kc most recent dilated keys. So each shard
 publishes a `Summary` of its own keys (those sets, computed over the shard alone), the caller
 gathers every shard's summary (one all-gather), and `attend_with_carry` merges the summaries of
@@ -20,8 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .decode import lsh_table_of
 from .indexed import _ks_indices, _lsh_indices, attend_blocked, query_block_size
-from .prefill import lsh_table_of
 from .reference import centred, lsh_buckets
 from .spec import SparseSpec
 
@@ -76,7 +76,11 @@ def summarise(k, v, key_scores, bucket_k, offset, spec: SparseSpec):
     local_br = jnp.concatenate(rows, axis=1)
     valid_br = local_br >= 0
     at_br = jnp.maximum(local_br, 0)
-    take = lambda x: jnp.take_along_axis(x, at_br.reshape(b, -1, *([1] * (x.ndim - 2))), axis=1)
+
+    def take(x):
+        """The summary rows of x (b, l, ...)."""
+        return jnp.take_along_axis(x, at_br.reshape(b, -1, *([1] * (x.ndim - 2))), axis=1)
+
     scores = jnp.zeros((b, l), jnp.float32) if key_scores is None else key_scores
     return Summary(
         pos=jnp.where(valid_br, pos_l[at_br], EMPTY),
@@ -90,8 +94,9 @@ def _block_sizes(spec, l):
     """Rows of each component's block in a shard's summary, in pattern order."""
     kc = spec.keys_per_component
     sizes = {"ks": min(kc, l), "sw": min(kc, l), "sink": min(kc, l), "dilated": kc}
-    return [(comp, spec.num_buckets * kc if comp == "lsh" else sizes[comp])
-            for comp in spec.components]  # fmt: skip
+    return [
+        (comp, spec.num_buckets * kc if comp == "lsh" else sizes[comp]) for comp in spec.components
+    ]
 
 
 def _carried(gathered: Summary, offset, shards, spec, l):
@@ -121,8 +126,10 @@ def _carried(gathered: Summary, offset, shards, spec, l):
             score_bz = jnp.where(ok_bz, gathered.score[:, rows_z], -jnp.inf)
             # Sort by (score descending, position ascending): ties go to the earlier key.
             _, _, row_bz, ok_bz = jax.lax.sort(
-                (-score_bz, gathered.pos[:, rows_z], jnp.broadcast_to(rows_z, ok_bz.shape),
-                 ok_bz), dimension=1, num_keys=2)  # fmt: skip
+                (-score_bz, gathered.pos[:, rows_z], jnp.broadcast_to(rows_z, ok_bz.shape), ok_bz),
+                dimension=1,
+                num_keys=2,
+            )
             out[comp] = jnp.where(ok_bz, row_bz, EMPTY)[:, :kc]
         else:  # sw / sink: index the carried rows by position
             first = offset - kc if comp == "sw" else 0
@@ -143,8 +150,20 @@ def _best(pos_bR, rows_zy, kc):
     return jnp.where(top_pos != EMPTY, rows, EMPTY)
 
 
-def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, spec: SparseSpec,
-                      offset, shards, q_sum_in, k_sum_in):  # fmt: skip
+def attend_with_carry(
+    q,
+    k,
+    v,
+    key_scores,
+    hash_proj,
+    gathered: Summary,
+    *,
+    spec: SparseSpec,
+    offset,
+    shards,
+    q_sum_in,
+    k_sum_in,
+):
     """o (b, l, e) of the shard at global `offset`: each query's keys over the whole prefix.
 
     q, k (b, l, n), v (b, l, e), key_scores (b, l) are this shard's; `gathered` every shard's
@@ -175,8 +194,10 @@ def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, spec
         j_bls = jnp.broadcast_to(j_ls, (b, l, kc))
         carry_at = jnp.clip(j_ls - first, 0, kc - 1)
         pos_c, row_c, ok_c = from_rows(jnp.broadcast_to(rows_bs[:, None, :], (b, l, kc)))
-        pos_c, row_c, ok_c = (jnp.take_along_axis(x, jnp.broadcast_to(carry_at, (b, l, kc)),
-                                                  axis=2) for x in (pos_c, row_c, ok_c))  # fmt: skip
+        pos_c, row_c, ok_c = (
+            jnp.take_along_axis(x, jnp.broadcast_to(carry_at, (b, l, kc)), axis=2)
+            for x in (pos_c, row_c, ok_c)
+        )
         is_local = j_bls >= offset
         row = jnp.where(is_local, j_bls - offset, row_c)
         ok = valid_ls & jnp.where(is_local, True, ok_c & (pos_c == j_bls))
@@ -197,17 +218,21 @@ def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, spec
             pos_c, row_c, ok_c = from_rows(jnp.broadcast_to(carried["ks"][:, None], (b, l, kc)))
             score_l = jnp.take_along_axis(
                 jax.lax.stop_gradient(key_scores.astype(jnp.float32)),
-                jnp.maximum(row_l, 0).reshape(b, -1), axis=1,
-            ).reshape(b, l, kc)  # fmt: skip
+                jnp.maximum(row_l, 0).reshape(b, -1),
+                axis=1,
+            ).reshape(b, l, kc)
             score_c = jnp.take_along_axis(
                 gathered.score, jnp.maximum(row_c - l, 0).reshape(b, -1), axis=1
             ).reshape(b, l, kc)
             # Carried keys first: lax.top_k gives ties to the lower index, the earlier key.
-            score = jnp.concatenate([jnp.where(ok_c, score_c, -jnp.inf),
-                                     jnp.where(ok_l, score_l, -jnp.inf)], axis=-1)  # fmt: skip
+            score = jnp.concatenate(
+                [jnp.where(ok_c, score_c, -jnp.inf), jnp.where(ok_l, score_l, -jnp.inf)], axis=-1
+            )
             top, at = jax.lax.top_k(score, kc)
-            pos, row = (jnp.take_along_axis(jnp.concatenate(pair, -1), at, -1)
-                        for pair in ((pos_c, pos_l), (row_c, row_l)))  # fmt: skip
+            pos, row = (
+                jnp.take_along_axis(jnp.concatenate(pair, -1), at, -1)
+                for pair in ((pos_c, pos_l), (row_c, row_l))
+            )
             parts.append((pos, row, top > -jnp.inf))
         elif comp == "sw":
             j_ls = i_l[:, None] - s_s
@@ -220,8 +245,9 @@ def attend_with_carry(q, k, v, key_scores, hash_proj, gathered: Summary, *, spec
             j_ls = ((i_l[:, None] + 1) // d) * d - 1 - d * s_s
             # Carried dilated rows are most recent first: row s' holds last_before - d s'.
             last_before = (offset // d) * d - 1
-            parts.append(_dilated(j_ls, last_before, d, offset, carried["dilated"], from_rows,
-                                  b, l, kc))  # fmt: skip
+            parts.append(
+                _dilated(j_ls, last_before, d, offset, carried["dilated"], from_rows, b, l, kc)
+            )
         else:
             raise ValueError(f"component {comp!r} has no carried form (pattern {spec.pattern!r})")
     pos = jnp.concatenate([p[0] for p in parts], axis=-1)
@@ -242,9 +268,10 @@ def _dilated(j_ls, last_before, d, offset, carried_bs, from_rows, b, l, kc):
     pos_c, row_c, ok_c = from_rows(
         jnp.take_along_axis(
             jnp.broadcast_to(carried_bs[:, None, :], (b, l, kc)),
-            jnp.broadcast_to(s_ls, (b, l, kc)), axis=2,
+            jnp.broadcast_to(s_ls, (b, l, kc)),
+            axis=2,
         )
-    )  # fmt: skip
+    )
     is_local = j_bls >= offset
     row = jnp.where(is_local, j_bls - offset, row_c)
     ok = (j_bls >= 0) & jnp.where(is_local, True, ok_c & (pos_c == j_bls))

@@ -15,11 +15,10 @@ FlashAttention-2 backward with the final lse: P = exp(s - lse), dS = P (dO.v - d
 
 The lsh kernels read v and dO rows by position through the sorted orders and write o and dv
 by position, so no permuted copy of an e-wide array is made; run-time rows go through
-`row_access` (Triton pointers on gpu, DMAs and SMEM on tpu). Letters: b batch, c query block,
+`tiling.Loader` (Triton pointers on gpu, DMAs and SMEM on tpu). Letters: b batch, c query block,
 t key tile, n key dim (padded to >= 16), e value dim (padded to the e block).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -27,22 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from .row_access import Loader, Specs
+from .tiling import Loader, Specs, ks_specs
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiles: block_q queries per block, block_k sorted keys per lsh tile, block_e value columns
-    per program (powers of two >= 16); num_warps / num_stages for Triton."""
-
-    block_q: int = 64
-    block_k: int = 64
-    block_e: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -102,11 +89,23 @@ def _over_columns(e, block_e, body, carry, unrolled):
 
 
 def _lsh_fwd_kernel(
-    offset_ref, count_ref, tile_ref, key_perm_ref, query_perm_ref,  # schedule, orders
-    q_ref, lo_ref, hi_ref, k_ref, v_ref,  # inputs (v by position)
-    o_ref, lse_ref,  # outputs, by position
-    *scratch, block_k, block_e, slots,
-):  # fmt: skip
+    offset_ref,
+    count_ref,
+    tile_ref,
+    key_perm_ref,
+    query_perm_ref,  # schedule, orders
+    q_ref,
+    lo_ref,
+    hi_ref,
+    k_ref,
+    v_ref,  # inputs (v by position)
+    o_ref,
+    lse_ref,  # outputs, by position
+    *scratch,
+    block_k,
+    block_e,
+    slots,
+):
     """One (sorted query block, e block): walk its scheduled key tiles."""
     b, c, col = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     load = Loader(slots, scratch)
@@ -134,11 +133,27 @@ def _lsh_fwd_kernel(
 
 
 def _lsh_pair_kernel(
-    count_ref, block_ref, tile_ref, key_perm_ref, query_perm_ref,  # pair list, orders
-    q_ref, lo_ref, hi_ref, lse_ref, delta_ref, do_ref, k_ref, v_ref,  # (dO, v by position)
-    dq_ref, dk_ref,  # outputs: this pair's parts
-    *scratch, block_q, block_k, block_e, slots,
-):  # fmt: skip
+    count_ref,
+    block_ref,
+    tile_ref,
+    key_perm_ref,
+    query_perm_ref,  # pair list, orders
+    q_ref,
+    lo_ref,
+    hi_ref,
+    lse_ref,
+    delta_ref,
+    do_ref,
+    k_ref,
+    v_ref,  # (dO, v by position)
+    dq_ref,
+    dk_ref,  # outputs: this pair's parts
+    *scratch,
+    block_q,
+    block_k,
+    block_e,
+    slots,
+):
     """One scheduled (query block, key tile) pair: dS over the whole e, then dq and dk parts."""
     b, pair = pl.program_id(0), pl.program_id(1)
     load = Loader(slots, scratch)
@@ -177,11 +192,23 @@ def _lsh_pair_kernel(
 
 
 def _lsh_dv_kernel(
-    offset_ref, count_ref, block_ref, key_perm_ref, query_perm_ref,  # schedule, orders
-    k_ref, q_ref, lo_ref, hi_ref, lse_ref, do_ref,  # this key tile; inputs (dO by position)
+    offset_ref,
+    count_ref,
+    block_ref,
+    key_perm_ref,
+    query_perm_ref,  # schedule, orders
+    k_ref,
+    q_ref,
+    lo_ref,
+    hi_ref,
+    lse_ref,
+    do_ref,  # this key tile; inputs (dO by position)
     dv_ref,  # output, by position
-    *scratch, block_q, block_e, slots,
-):  # fmt: skip
+    *scratch,
+    block_q,
+    block_e,
+    slots,
+):
     """One (sorted key tile, e block): dv = sum of P^T dO over the query blocks that see it."""
     b, t, col = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     load = Loader(slots, scratch)
@@ -254,8 +281,15 @@ def _ks_fwd_kernel(*refs, has_init):
 
 
 def _ks_bwd_kernel(
-    q_ref, k_ref, v_ref, pre_k_ref, pre_v_ref, *refs, block_e, unrolled,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    pre_k_ref,
+    pre_v_ref,
+    *refs,
+    block_e,
+    unrolled,
+):
     """One query block over the whole e: dq; dk, dv of its own keys; its prefix parts
     (refs: the six _ks_masks arrays, lse, delta, dO; then the five outputs)."""
     meta_refs = refs[:6]
@@ -330,9 +364,11 @@ def lsh_forward(q_s, k_s, v, lo, hi, lsh, sched, *, cfg):
     bq, bk, be = blocks.block_q, blocks.block_k, blocks.block_e
     sp = Specs(variant)
     slots = (
-        ("k", (bk, n), k_s.dtype), ("v", (bk, be), v.dtype), ("o", (bq, be), F32),
+        ("k", (bk, n), k_s.dtype),
+        ("v", (bk, be), v.dtype),
+        ("o", (bq, be), F32),
         ("lse", (bq, 1), F32),
-    )  # fmt: skip
+    )
     kernel = functools.partial(
         _lsh_fwd_kernel, block_k=bk, block_e=be, slots=tuple(s[0] for s in slots)
     )
@@ -344,9 +380,14 @@ def lsh_forward(q_s, k_s, v, lo, hi, lsh, sched, *, cfg):
     out_shape = [_shape((b, length, e)), _shape((b, length, 1))]
     grid = (b, length // bq, e // be)
     return _call(
-        kernel, grid, in_specs, [sp.whole(x) for x in out_shape], out_shape, cfg=cfg,
+        kernel,
+        grid,
+        in_specs,
+        [sp.whole(x) for x in out_shape],
+        out_shape,
+        cfg=cfg,
         scratch=sp.scratch(slots),
-    )(*args)  # fmt: skip
+    )(*args)
 
 
 def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
@@ -359,10 +400,15 @@ def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
     sp = Specs(variant)
     column = ((bq, 1), jnp.int32), ((bq, 1), F32)
     slots = (
-        ("q", (bq, n), q_s.dtype), ("k", (bk, n), k_s.dtype), ("lo", *column[0]),
-        ("hi", *column[0]), ("lse", *column[1]), ("delta", *column[1]),
-        ("do", (bq, be), do.dtype), ("v", (bk, be), v.dtype),
-    )  # fmt: skip
+        ("q", (bq, n), q_s.dtype),
+        ("k", (bk, n), k_s.dtype),
+        ("lo", *column[0]),
+        ("hi", *column[0]),
+        ("lse", *column[1]),
+        ("delta", *column[1]),
+        ("do", (bq, be), do.dtype),
+        ("v", (bk, be), v.dtype),
+    )
     kernel = functools.partial(
         _lsh_pair_kernel, block_q=bq, block_k=bk, block_e=be, slots=tuple(s[0] for s in slots)
     )
@@ -373,9 +419,14 @@ def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
     out_specs = [sp.slab((bq, n), lambda p: (p, 0, 0)), sp.slab((bk, n), lambda p: (p, 0, 0))]
     out_shape = [_shape((b, pairs, bq, n)), _shape((b, pairs, bk, n))]
     dq_parts, dk_parts = _call(
-        kernel, (b, pairs), [sp.whole(x) for x in args], out_specs, out_shape, cfg=cfg,
+        kernel,
+        (b, pairs),
+        [sp.whole(x) for x in args],
+        out_specs,
+        out_shape,
+        cfg=cfg,
         scratch=sp.scratch(slots),
-    )(*args)  # fmt: skip
+    )(*args)
 
     slots = tuple(s for s in slots if s[0] in ("q", "lo", "hi", "lse", "do"))
     slots += (("dv", (bk, be), F32),)
@@ -388,29 +439,15 @@ def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
     in_specs += [sp.whole(x) for x in args[6:]]
     out_shape = _shape((b, length, e))
     dv = _call(
-        kernel, (b, length // bk, e // be), in_specs, sp.whole(out_shape), out_shape, cfg=cfg,
+        kernel,
+        (b, length // bk, e // be),
+        in_specs,
+        sp.whole(out_shape),
+        out_shape,
+        cfg=cfg,
         scratch=sp.scratch(slots),
-    )(*args)  # fmt: skip
+    )(*args)
     return dq_parts, dk_parts, dv
-
-
-def _ks_specs(sp, bq, kcp, n, width, col):
-    """Specs of q, k, v, prefix k, prefix v and the six selection arrays of a ks block (v
-    columns `width` wide at column block col(*grid))."""
-    row = lambda *g: (g[0], 0)  # noqa: E731
-    return [
-        sp.rows(bq, n, row),
-        sp.rows(bq, n, row),
-        sp.rows(bq, width, lambda *g: (g[0], col(*g))),
-        sp.slab((kcp, n), lambda *g: (g[0], 0, 0)),
-        sp.slab((kcp, width), lambda *g: (g[0], 0, col(*g))),
-        sp.slab((3, kcp), lambda *g: (g[0], 0, 0)),
-        sp.slab((1, kcp), lambda *g: (g[0], 0, 0)),
-        sp.slab((2, bq), lambda *g: (g[0], 0, 0)),
-        sp.slab((1, bq), lambda *g: (g[0], 0, 0)),
-        sp.rows(bq, 3, row),
-        sp.rows(bq, 1, row),
-    ]
 
 
 def ks_forward(q, k, v, ks_args, init, *, out_dtype, cfg):
@@ -421,16 +458,21 @@ def ks_forward(q, k, v, ks_args, init, *, out_dtype, cfg):
     bq, be = blocks.block_q, blocks.block_e
     kcp = ks_args[0].shape[2]
     sp = Specs(variant)
-    in_specs = _ks_specs(sp, bq, kcp, n, be, lambda c, j: j)
+    in_specs = ks_specs(sp, bq, kcp, n, be, lambda c, j: j)
     out_specs = [sp.rows(bq, be, lambda c, j: (c, j)), sp.rows(bq, 1, lambda c, j: (c, 0))]
     init = init or ()
     in_specs += out_specs[: len(init)]
     kernel = functools.partial(_ks_fwd_kernel, has_init=bool(init))
     out_shape = [_shape((b, length, e), out_dtype), _shape((b, length, 1))]
     return _call(
-        kernel, (b, length // bq, e // be), in_specs, out_specs, out_shape, cfg=cfg,
+        kernel,
+        (b, length // bq, e // be),
+        in_specs,
+        out_specs,
+        out_shape,
+        cfg=cfg,
         revisit=True,
-    )(q, k, v, *ks_args, *init)  # fmt: skip
+    )(q, k, v, *ks_args, *init)
 
 
 def ks_backward(q, k, v, ks_args, lse, delta, do, *, cfg):
@@ -443,7 +485,7 @@ def ks_backward(q, k, v, ks_args, lse, delta, do, *, cfg):
     sp = Specs(variant)
     nblocks = length // bq
     column = sp.rows(bq, 1, lambda c: (c, 0))
-    in_specs = _ks_specs(sp, bq, kcp, n, e, lambda c: 0)
+    in_specs = ks_specs(sp, bq, kcp, n, e, lambda c: 0)
     in_specs += [column, column, sp.rows(bq, e, lambda c: (c, 0))]
     out_specs = [sp.rows(bq, n, lambda c: (c, 0)), sp.rows(bq, n, lambda c: (c, 0))]
     out_specs += [sp.rows(bq, e, lambda c: (c, 0))]

@@ -8,17 +8,18 @@ import jax.numpy as jnp
 
 from .. import backend
 from ..checks import check_float, check_shape
-from . import flash
+from . import pallas
+from .decode import SparseAttentionCache, init_cache_arrays, prefill_arrays, step_arrays
 from .indexed import sparse_attention_indexed
-from .kernel import BlockSizes
-from .prefill import prefill_arrays
 from .reference import sparse_attention_reference
 from .spec import SparseSpec, check_positive_int
-from .step import SparseAttentionCache, init_cache_arrays, step_arrays
+from .tiling import BlockSizes
 
 IMPLS = ("auto", "indexed", "pallas")
 # sparse_attention's settings when a spec is given instead.
-_LOOSE_DEFAULTS = dict(pattern=None, num_keys=None, max_len=None, binning="sign", official_code=False)
+_LOOSE_DEFAULTS = dict(
+    pattern=None, num_keys=None, max_len=None, binning="sign", official_code=False
+)
 
 
 def _check_spec(spec):
@@ -65,7 +66,7 @@ def _validate(q, k, v, spec, hash_proj, key_scores):
 
 
 def _pallas_order(spec):
-    """The components in the order `flash.SUPPORTED_PATTERNS` lists them."""
+    """The components in the order `pallas.SUPPORTED_PATTERNS` lists them."""
     return "+".join(sorted(spec.components, reverse=True))
 
 
@@ -73,9 +74,9 @@ def _check_pallas(spec, variant, blocks):
     """What impl="pallas" supports beyond the op's contract."""
     if spec.official_code:
         raise ValueError("impl='pallas' has no official_code mode (use impl='indexed')")
-    if _pallas_order(spec) not in flash.SUPPORTED_PATTERNS:
+    if _pallas_order(spec) not in pallas.SUPPORTED_PATTERNS:
         raise ValueError(
-            f"impl='pallas' supports the patterns {flash.SUPPORTED_PATTERNS} (in any order), "
+            f"impl='pallas' supports the patterns {pallas.SUPPORTED_PATTERNS} (in any order), "
             f"got {spec.pattern!r}"
         )
     backend.check_variant(variant)
@@ -90,19 +91,19 @@ def _check_pallas(spec, variant, blocks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _sparse_attention_pallas(q, k, v, layout, kc, cfg):
     """o by the Pallas kernels; differentiable in q, k, v through the hand-written backward."""
-    return flash.forward(q, k, v, layout, kc=kc, cfg=cfg)[0].astype(v.dtype)
+    return pallas.forward(q, k, v, layout, kc=kc, cfg=cfg)[0].astype(v.dtype)
 
 
 def _sparse_attention_pallas_fwd(q, k, v, layout, kc, cfg):
     """Forward, saving the inputs, the selection, o and the log-sum-exp for the backward."""
-    o, lse = flash.forward(q, k, v, layout, kc=kc, cfg=cfg)
+    o, lse = pallas.forward(q, k, v, layout, kc=kc, cfg=cfg)
     return o.astype(v.dtype), (q, k, v, layout, o, lse)
 
 
 def _sparse_attention_pallas_bwd(kc, cfg, residuals, do):
     """The backward kernels (FlashAttention-2 style, from the saved lse)."""
     q, k, v, layout, o, lse = residuals
-    dq, dk, dv = flash.backward(q, k, v, layout, o, lse, do, kc=kc, cfg=cfg)
+    dq, dk, dv = pallas.backward(q, k, v, layout, o, lse, do, kc=kc, cfg=cfg)
     return dq, dk, dv, None  # the selection (layout) is discrete: no gradient
 
 
@@ -112,10 +113,22 @@ _sparse_attention_pallas.defvjp(_sparse_attention_pallas_fwd, _sparse_attention_
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "spec", "pattern", "num_keys", "max_len", "binning", "official_code", "impl", "variant",
-        "interpret", "block_q", "block_k", "block_e", "num_warps", "num_stages",
+        "spec",
+        "pattern",
+        "num_keys",
+        "max_len",
+        "binning",
+        "official_code",
+        "impl",
+        "variant",
+        "interpret",
+        "block_q",
+        "block_k",
+        "block_e",
+        "num_warps",
+        "num_stages",
     ),
-)  # fmt: skip
+)
 def sparse_attention(
     q,
     k,
@@ -142,8 +155,8 @@ def sparse_attention(
 
     The attention is a `SparseSpec` (the one the decode cache, step and prefill take), or the
     settings pattern, num_keys, max_len, binning and official_code that build it (hash_bits = h
-    of hash_proj); not both. q, k (b, l, n) (k already scaled: logits are exactly q_i . k_j); v (b, l, e);
-    hash_proj (n, h) for lsh; key_scores (b, l) for ks (no gradient through the selection);
+    of hash_proj); not both. q, k (b, l, n) (k already scaled: logits are exactly q_i . k_j); v (b,
+    l, e); hash_proj (n, h) for lsh; key_scores (b, l) for ks (no gradient through the selection);
     max_len for dilated. pattern: '+'-joined components of ("sw", "sink", "dilated", "lsh",
     "ks"), or "full" alone; each gets kc = num_keys // #components keys, query i attends to the
     union of their causal key sets (see reference.py), softmax over those keys only, fp32
@@ -167,8 +180,13 @@ def sparse_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    settings = dict(pattern=pattern, num_keys=num_keys, max_len=max_len, binning=binning,
-                    official_code=official_code)  # fmt: skip
+    settings = dict(
+        pattern=pattern,
+        num_keys=num_keys,
+        max_len=max_len,
+        binning=binning,
+        official_code=official_code,
+    )
     if spec is None:
         hash_bits = None if hash_proj is None else hash_proj.shape[-1]
         spec = SparseSpec(**settings, hash_bits=hash_bits)
@@ -180,7 +198,7 @@ def sparse_attention(
     if impl == "auto":
         impl = "indexed"
         if backend.auto_picks_pallas() and variant in (None, "gpu") and not spec.official_code:
-            impl = "pallas" if _pallas_order(spec) in flash.SUPPORTED_PATTERNS else "indexed"
+            impl = "pallas" if _pallas_order(spec) in pallas.SUPPORTED_PATTERNS else "indexed"
     if impl == "pallas":
         variant = variant or backend.default_variant()
         blocks = BlockSizes(block_q, block_k, block_e, num_warps, num_stages)
@@ -188,8 +206,8 @@ def sparse_attention(
     _validate(q, k, v, spec, hash_proj, key_scores)
     inputs = dict(spec=spec, hash_proj=hash_proj, key_scores=key_scores)
     if impl == "pallas":
-        layout = flash.build_layout(q, k, blocks=blocks, **inputs)
-        cfg = (flash.effective_blocks(blocks, v.shape[-1]), variant, interpret)
+        layout = pallas.build_layout(q, k, blocks=blocks, **inputs)
+        cfg = (pallas.effective_blocks(blocks, v.shape[-1]), variant, interpret)
         return _sparse_attention_pallas(q, k, v, layout, spec.keys_per_component, cfg)
     if spec.official_code:
         return sparse_attention_reference(q, k, v, **inputs)

@@ -23,7 +23,8 @@ the (b, l, h, p) layout of the caller (strided blocks are free for Triton) and p
 over chunks with a small kernel; "tpu" moves heads in front so every block ends in two
 whole-or-tiled dims, and passes states with a lax.scan. On Hopper, chunk_state and chunk_out
 are the Mosaic GPU kernels of kernel_mgpu.py (wgmma, TMA; measured faster) when the inputs suit
-them and XLA keeps custom calls out of its CUDA graphs, else the Triton ones here. Letters:
+them and XLA keeps custom calls out of its CUDA graphs, else the Triton ones here. The inputs
+are padded and laid out, and the kernels chained, by pallas.py; block specs: tiling.py. Letters:
 b batch, h head, g group, c chunk, k chunk length, s / t target / source position, p head dim,
 n state dim.
 """
@@ -35,18 +36,64 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..backend import compiler_params, interpret_for
-from . import kernel_mgpu
-from .grad_kernels import grad_bc_kernel, grad_dx_kernel
-from .reference import run_ids
-from .tiles import F32, Head, causal_keep, dot, head, masked_exp, positions
+
+F32 = jnp.float32
+
+# ---------------------------------------------------------------- tile pieces
+# Shared by the forward and backward kernels: fp32-accumulating matmuls, the causal /
+# same-document mask, masked decays, position vectors, and a view of one head of a block of heads.
 
 
-def _round_up_pow2(n, minimum):
-    """The next power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+def dot(a, b, *, trans_a=False, trans_b=False):
+    """a @ b with optional transposes, fp32 accumulation."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=F32)
 
 
-# ---------------------------------------------------------------- kernels
+def causal_keep(seq_a, seq_b, pos_a, pos_b):
+    """Pairs (a, b) with b <= a in the same document: where L is nonzero."""
+    return (pos_b <= pos_a) & (seq_a == seq_b)
+
+
+def masked_exp(keep, log_value):
+    """exp(log_value) where keep else 0; exp never sees the masked (possibly huge) values."""
+    return jnp.where(keep, jnp.exp(jnp.where(keep, log_value, 0.0)), 0.0)
+
+
+def positions(start, n, as_row):
+    """Chunk positions start..start+n-1 as an (n, 1) column or a (1, n) row."""
+    shape = (1, n) if as_row else (n, 1)
+    return start + jax.lax.broadcasted_iota(jnp.int32, shape, 1 if as_row else 0)
+
+
+class Head:
+    """Head hh of a ref that holds a block of heads on `axis`, indexed like a ref of one head.
+    (Triton lowers one indexer per load or store: `ref.at[hh][rows]` views cannot be used.)"""
+
+    def __init__(self, ref, hh, axis=0):
+        self.ref, self.hh, self.axis = ref, hh, axis
+        self.dtype = ref.dtype
+        self.shape = tuple(d for a, d in enumerate(ref.shape) if a != axis)
+
+    def _index(self, idx):
+        idx = [] if idx is Ellipsis else list(idx if isinstance(idx, tuple) else (idx,))
+        idx += [slice(None)] * (len(self.shape) - len(idx))
+        idx.insert(self.axis, self.hh)
+        return tuple(idx)
+
+    def __getitem__(self, idx):
+        return self.ref[self._index(idx)]
+
+    def __setitem__(self, idx, value):
+        self.ref[self._index(idx)] = value
+
+
+def head(ref, hh, seq_major):
+    """Head hh of an x-like block: (k, heads, f) when seq_major (gpu), else (heads, k, f)."""
+    return Head(ref, hh, 1 if seq_major else 0)
+
+
+# ---------------------------------------------------------------- forward kernels
 
 
 def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile, seq_major):
@@ -64,9 +111,22 @@ def _chunk_state_kernel(x_ref, w_ref, b_ref, out_ref, *, tile, seq_major):
 
 
 def _chunk_out_kernel(
-    x_ref, cb_ref, c_ref, cs_c_ref, cs_r_ref, dt_r_ref, seq_c_ref, seq_r_ref, wout_ref,
-    h_ref, d_ref, y_ref, *, tile, seq_major,
-):  # fmt: skip
+    x_ref,
+    cb_ref,
+    c_ref,
+    cs_c_ref,
+    cs_r_ref,
+    dt_r_ref,
+    seq_c_ref,
+    seq_r_ref,
+    wout_ref,
+    h_ref,
+    d_ref,
+    y_ref,
+    *,
+    tile,
+    seq_major,
+):
     """y for target tile i of one head: the causal intra-chunk sum, the incoming state, D x."""
     x_ref, y_ref = head(x_ref, 0, seq_major), head(y_ref, 0, seq_major)
     cs_c_ref, cs_r_ref, dt_r_ref, wout_ref, h_ref, d_ref = (
@@ -92,116 +152,175 @@ def _chunk_out_kernel(
     y_ref[...] = acc_sp.astype(y_ref.dtype)
 
 
-# ---------------------------------------------------------------- layout and launch
+# ---------------------------------------------------------------- backward kernels
+# Per source tile t the dx of one head (grad_dx), and the dB, dC and decay terms of a block of
+# heads (grad_bc).
 
 
-class _Layout:
-    """Block specs of one variant for grids (b, head block, c) and (b, head block, c, tile).
+def _add_to_column(mat, hh, col):
+    """mat (rows, heads) with the (rows, 1) column col added to its column hh."""
+    here = jax.lax.broadcasted_iota(jnp.int32, mat.shape, 1) == hh
+    return mat + jnp.where(here, col, 0.0)
 
-    A program sees `hb` consecutive heads (of one group). gpu: x-like (b, l, h, p), B-like
-    (b, l, g, n); tpu: x-like (b, h, l, p), B-like (b, g, l, n). Per-position vectors are
-    (b, h, c, k, 1) columns and (b, h, c, 1, k) rows; seq ids (b, c, k, 1) / (b, c, 1, k);
-    states (b, c, h, p, n); D (h, 1, 1); per-head-block sums x-like with h / hb "heads"."""
 
-    def __init__(self, variant, k, tile, r, hb=1):
-        self.variant, self.k, self.tile, self.hb = variant, k, tile, hb
-        self.blocks_per_group = r // hb
-        self.gpu = variant == "gpu"
+def _column_of(mat, hh):
+    """Column hh of mat (rows, heads) as (rows, 1)."""
+    here = jax.lax.broadcasted_iota(jnp.int32, mat.shape, 1) == hh
+    return jnp.sum(jnp.where(here, mat, 0.0), axis=1, keepdims=True)
 
-    def seq_major(self, arr):
-        """A (b, l, h, f) array in this variant's layout."""
-        return arr if self.gpu else jnp.moveaxis(arr, 2, 1)
 
-    def from_seq_major(self, arr):
-        """Back to (b, l, h, f)."""
-        return arr if self.gpu else jnp.moveaxis(arr, 1, 2)
+def grad_dx_kernel(
+    dy_ref,
+    x_ref,
+    b_ref,
+    cbt_ref,
+    cs_c_ref,
+    cs_r_ref,
+    dt_c_ref,
+    seq_c_ref,
+    seq_r_ref,
+    wst_ref,
+    dh_ref,
+    d_ref,
+    dx_ref,
+    dd_ref,
+    *,
+    tile,
+    seq_major,
+):
+    """dx for source tile i (rows t) of one head: the targets s >= t of the chunk through
+    C_s.B_t L[s, t], the outgoing state's gradient through B_t, and D dy_t; and the tile's part
+    of dD, sum dy_t . x_t (1, 1)."""
+    dy_h = head(dy_ref, 0, seq_major)
+    cs_c_ref, cs_r_ref, dt_c_ref, wst_ref, dh_ref, d_ref = (
+        Head(ref, 0) for ref in (cs_c_ref, cs_r_ref, dt_c_ref, wst_ref, dh_ref, d_ref)
+    )
+    i = pl.program_id(3)
+    k, p = dy_h.shape
+    rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
+    cs_t, seq_t = cs_c_ref[rows_t, :], seq_c_ref[rows_t, :]
+    pos_t = positions(i * tile, tile, as_row=False)
 
-    def _x_like(self, rows, heads, f, row_block, head_block):
-        """Block (rows, heads, f) of an x-like array in this layout."""
-        if self.gpu:
-            return pl.BlockSpec(
-                (None, rows, heads, f),
-                lambda b, hb, c, *i: (b, row_block(c, *i), head_block(hb), 0),
-            )
-        return pl.BlockSpec(
-            (None, heads, rows, f), lambda b, hb, c, *i: (b, head_block(hb), row_block(c, *i), 0)
+    def body(j, dx_tp):
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = causal_keep(seq_r_ref[:, cols], seq_t, positions(start, tile, True), pos_t)
+        m_ts = cbt_ref[rows_t, cols] * masked_exp(keep, cs_r_ref[:, cols] - cs_t)
+        return dx_tp + dot(m_ts.astype(dy_h.dtype), dy_h[cols, :])
+
+    dx_tp = jax.lax.fori_loop(i, k // tile, body, jnp.zeros((tile, p), F32))
+    b_t = b_ref[rows_t, :]
+    b_dh_tp = dot(b_t, dh_ref[...].astype(b_t.dtype), trans_b=True)
+    dx_tp = dt_c_ref[rows_t, :] * (dx_tp + wst_ref[rows_t, :] * b_dh_tp)
+    dy_tp = dy_h[rows_t, :].astype(F32)
+    dx_tp += d_ref[0, 0] * dy_tp
+    head(dx_ref, 0, seq_major)[...] = dx_tp.astype(dx_ref.dtype)  # the block is this tile
+    x_tp = head(x_ref, 0, seq_major)[...].astype(F32)  # the block is this tile
+    dd_ref[...] = jnp.sum(dy_tp * x_tp, axis=(0, 1), keepdims=True)
+
+
+def grad_bc_kernel(
+    x_ref,
+    dy_ref,
+    b_ref,
+    c_ref,
+    cbt_ref,
+    cs_c_ref,
+    cs_r_ref,
+    dt_c_ref,
+    seq_c_ref,
+    seq_r_ref,
+    wst_ref,
+    dh_ref,
+    wout_ref,
+    h_ref,
+    dcb_ref,
+    ddt_ref,
+    v_ref,
+    db_ref,
+    dc_ref,
+    rowsum_part_ref,
+    u_ref,
+    *,
+    tile,
+    seq_major,
+):
+    """The pieces of dB and dC for source tile i (rows t) and a block of heads of one group.
+
+    Per pair of tiles (t, s >= t) and head, G = x_t . dy_s and M = G L CB (L the masked decay)
+    give ddt's intra part (sum_s M, per t) and the target side's rowsum_t(M dt_t) (per s, this
+    tile's partial: rows s of rowsum_part, zero for s < t). The heads' dt_t G L are summed into
+    dCB[t, s] (fp32, zero for s < t), the gradient of the scores C_s . B_t: dB_t = dCB C and
+    dC_s = dCB^T B are batched matmuls in JAX (fewer live registers here than accumulating them).
+    State terms: db = sum_h w_state dt_t x_t dH_out (t, n) and v_t = x_t . (dH_out B_t);
+    for rows i as targets dc = sum_h w_out dy_s H_in and u_s = dy_s . (H_in C_s)."""
+    i = pl.program_id(3)
+    k, heads = b_ref.shape[0], cs_c_ref.shape[0]
+    n = b_ref.shape[1]
+    rows_t = pl.ds(pl.multiple_of(i * tile, tile), tile)
+    b_t, seq_t = b_ref[rows_t, :], seq_c_ref[rows_t, :]
+    pos_t = positions(i * tile, tile, as_row=False)
+
+    def zero_targets(j, carry):
+        """Targets before the source tile: no pairs."""
+        cols = pl.ds(pl.multiple_of(j * tile, tile), tile)
+        dcb_ref[:, cols] = jnp.zeros((tile, tile), dcb_ref.dtype)
+        rowsum_part_ref[:, :, cols] = jnp.zeros((heads, 1, tile), rowsum_part_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, i, zero_targets, 0)
+
+    def over_targets(j, ddt_th):
+        start = pl.multiple_of(j * tile, tile)
+        cols = pl.ds(start, tile)
+        keep = causal_keep(seq_r_ref[:, cols], seq_t, positions(start, tile, True), pos_t)
+        cb_ts = cbt_ref[rows_t, cols]
+
+        def over_heads(hh, inner):
+            w_ts, ddt_th = inner
+            x_t = head(x_ref, hh, seq_major)[rows_t, :]
+            dy_s = head(dy_ref, hh, seq_major)[cols, :]
+            decay_ts = masked_exp(keep, Head(cs_r_ref, hh)[:, cols] - Head(cs_c_ref, hh)[rows_t, :])
+            gl_ts = dot(x_t, dy_s, trans_b=True) * decay_ts
+            m_ts = gl_ts * cb_ts
+            dt_t = Head(dt_c_ref, hh)[rows_t, :]
+            ddt_th = _add_to_column(ddt_th, hh, jnp.sum(m_ts, axis=1, keepdims=True))
+            Head(rowsum_part_ref, hh)[:, cols] = jnp.sum(m_ts * dt_t, axis=0, keepdims=True)
+            return w_ts + gl_ts * dt_t, ddt_th
+
+        w_ts, ddt_th = jax.lax.fori_loop(
+            0, heads, over_heads, (jnp.zeros((tile, tile), F32), ddt_th)
         )
+        dcb_ref[:, cols] = w_ts
+        return ddt_th
 
-    def chunk(self, f):
-        """The whole chunk of an x-like array, this program's heads."""
-        return self._x_like(self.k, self.hb, f, lambda c, *i: c, lambda hb: hb)
+    ddt_th = jax.lax.fori_loop(i, k // tile, over_targets, jnp.zeros((tile, heads), F32))
 
-    def group_chunk(self, f):
-        """The whole chunk of a B-like array, this program's group."""
-        per = self.blocks_per_group
-        return self._x_like(self.k, None, f, lambda c, *i: c, lambda hb: jax.lax.div(hb, per))
+    def source_state_terms(hh, db_tn):
+        x_t = head(x_ref, hh, seq_major)[rows_t, :]
+        x_dh_tn = dot(x_t, Head(dh_ref, hh)[...].astype(x_t.dtype))
+        Head(v_ref, hh)[...] = jnp.sum(x_dh_tn * b_t.astype(F32), axis=1, keepdims=True)
+        Head(ddt_ref, hh)[...] = _column_of(ddt_th, hh)
+        w_t = Head(dt_c_ref, hh)[rows_t, :] * Head(wst_ref, hh)[rows_t, :]
+        return db_tn + w_t * x_dh_tn
 
-    def tile_of(self, f, heads=True):
-        """Tile i of chunk c of an x-like array (this program's heads), or of a per-head-block
-        sum (heads=False)."""
-        per = self.k // self.tile
-        return self._x_like(
-            self.tile, self.hb if heads else None, f, lambda c, i: c * per + i, lambda hb: hb
-        )
+    db_ref[...] = jax.lax.fori_loop(0, heads, source_state_terms, jnp.zeros((tile, n), F32))
 
-    def scores(self):
-        """The chunk's C B^T (k, k) of this program's group, from (b, c, g, k, k)."""
-        per = self.blocks_per_group
-        return pl.BlockSpec(
-            (None, None, None, self.k, self.k),
-            lambda b, hb, c, *i: (b, c, jax.lax.div(hb, per), 0, 0),
-        )
+    c_s = c_ref[rows_t, :]  # rows i as targets
 
-    def column(self):
-        """Per-position (b, h, c, k, 1) vectors, whole chunk."""
-        return pl.BlockSpec((None, self.hb, None, self.k, 1), lambda b, hb, c, *i: (b, hb, c, 0, 0))
+    def target_state_terms(hh, dc_sn):
+        dy_s = head(dy_ref, hh, seq_major)[rows_t, :]
+        dy_h_sn = dot(dy_s, Head(h_ref, hh)[...].astype(dy_s.dtype))
+        Head(u_ref, hh)[...] = jnp.sum(dy_h_sn * c_s.astype(F32), axis=1, keepdims=True)
+        return dc_sn + Head(wout_ref, hh)[rows_t, :] * dy_h_sn
 
-    def row(self):
-        """Per-position (b, h, c, 1, k) vectors, whole chunk."""
-        return pl.BlockSpec((None, self.hb, None, 1, self.k), lambda b, hb, c, *i: (b, hb, c, 0, 0))
-
-    def score_rows(self):
-        """Rows of tile i of a (b, c, h / hb, k, k) per-head-block score gradient."""
-        return pl.BlockSpec(
-            (None, None, None, self.tile, self.k), lambda b, hb, c, i: (b, c, hb, i, 0)
-        )
-
-    def row_partial(self):
-        """Per source tile i, (b, h, c, k / tile, 1, k) per-position partial rows."""
-        return pl.BlockSpec(
-            (None, self.hb, None, None, 1, self.k), lambda b, hb, c, i: (b, hb, c, i, 0, 0)
-        )
-
-    def per_tile_scalar(self):
-        """One (1, 1) value per program of a (b, h, c, k / tile, 1, 1) array (one head per
-        program)."""
-        return pl.BlockSpec((None, None, None, None, 1, 1), lambda b, hb, c, i: (b, hb, c, i, 0, 0))
-
-    def column_tile(self):
-        """Tile i of per-position columns (outputs)."""
-        return pl.BlockSpec(
-            (None, self.hb, None, self.tile, 1), lambda b, hb, c, i: (b, hb, c, i, 0)
-        )
-
-    def seq_column(self):
-        """Document ids (b, c, k, 1) of the chunk."""
-        return pl.BlockSpec((None, None, self.k, 1), lambda b, hb, c, *i: (b, c, 0, 0))
-
-    def seq_row(self):
-        """Document ids (b, c, 1, k) of the chunk."""
-        return pl.BlockSpec((None, None, 1, self.k), lambda b, hb, c, *i: (b, c, 0, 0))
-
-    def state(self, p, n):
-        """The chunk's (hb, p, n) states of a (b, c, h, p, n) array."""
-        return pl.BlockSpec((None, None, self.hb, p, n), lambda b, hb, c, *i: (b, c, hb, 0, 0))
-
-    def scalar(self):
-        """D of this program's heads, stored (h, 1, 1)."""
-        return pl.BlockSpec((self.hb, 1, 1), lambda b, hb, c, *i: (hb, 0, 0))
+    dc_ref[...] = jax.lax.fori_loop(0, heads, target_state_terms, jnp.zeros((tile, n), F32))
 
 
-def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps,
-          num_stages):  # fmt: skip
+# ---------------------------------------------------------------- launch
+
+
+def call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, num_warps, num_stages):
     """pallas_call with this variant's compiler parameters."""
     variant = layout.variant
     return pl.pallas_call(
@@ -220,100 +339,12 @@ def _call(kernel, layout, grid, in_specs, out_specs, out_shape, *, interpret, nu
     )
 
 
-class Prepared:
-    """The padded, laid-out inputs and the decay vectors shared by forward and backward."""
-
-    def __init__(self, x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes):
-        b, l, h, p = x.shape
-        g, n = B.shape[2:]
-        self.shape = (b, l, h, p, g, n)
-        self.dtype = F32  # the kernels compute in fp32 (ops refuses fp64 inputs)
-        self.out_dtype = x.dtype
-        k = chunk_size
-        c = -(-l // k)
-        self.c, self.k = c, k
-        self.mm_dtype = jnp.promote_types(x.dtype, B.dtype)  # inputs of the matmuls
-        pad_l = c * k - l
-        if variant == "gpu":  # Triton: power-of-two tiles of at least 16 for tl.dot
-            self.p_pad, self.n_pad = _round_up_pow2(p, 16), _round_up_pow2(n, 16)
-        else:
-            self.p_pad, self.n_pad = p, n
-        self.sizes = sizes  # resolved BlockSizes
-        self.layout = _Layout(variant, k, sizes.tile, h // g)
-        self.grad_layout = _Layout(variant, k, sizes.tile_bwd, h // g, sizes.heads_per_block)
-        self.dx_layout = _Layout(variant, k, sizes.tile_bwd, h // g)
-
-        def pad(arr, f_pad):
-            """Zero-pad the length to c * k and the feature dim to f_pad, in the mm dtype."""
-            widths = [(0, 0), (0, pad_l), (0, 0), (0, f_pad - arr.shape[-1])]
-            return jnp.pad(arr.astype(self.mm_dtype), widths)
-
-        self.x = self.layout.seq_major(pad(x, self.p_pad))
-        self.B = self.layout.seq_major(pad(B, self.n_pad))
-        self.C = self.layout.seq_major(pad(C, self.n_pad))
-        dt_bhck = jnp.pad(dt.astype(self.dtype), [(0, 0), (0, pad_l), (0, 0)])
-        self.dt = jnp.moveaxis(dt_bhck, 2, 1).reshape(b, h, c, k)
-        seq_bl = jnp.zeros((b, l), jnp.int32) if seq_idx is None else run_ids(seq_idx)
-        self.seq = jnp.pad(seq_bl, [(0, 0), (0, pad_l)], mode="edge").reshape(b, c, k)
-        self.A = A.astype(self.dtype)
-        self.cs = jnp.cumsum(self.dt * self.A[:, None, None], axis=-1)
-        self.D = jnp.zeros((h,), self.dtype) if D is None else D.astype(self.dtype)
-
-        # Documents: the state entering chunk c belongs to doc_in[c] (the row's first document
-        # for chunk 0); it survives the chunk only if the chunk ends in that document.
-        doc_in_bc = jnp.concatenate([self.seq[:, :1, 0], self.seq[:, :-1, -1]], axis=1)
-        own_bhck = (self.seq == doc_in_bc[:, :, None])[:, None]
-        end_bhck = (self.seq == self.seq[:, :, -1:])[:, None]
-        cs_end = self.cs[..., -1:]
-        self.w_out = jnp.where(own_bhck, jnp.exp(self.cs), 0.0)
-        self.w_state = jnp.where(end_bhck, jnp.exp(cs_end - self.cs), 0.0)
-        keep_bhc = (self.seq[:, :, -1] == doc_in_bc)[:, None]
-        self.decay = jnp.where(keep_bhc, jnp.exp(cs_end[..., 0]), 0.0)
-
-    def scores(self, transposed=False):
-        """C_s . B_t for every pair of positions of each chunk: (b, c, g, k, k) in the matmul
-        dtype, indexed [s, t] (or [t, s] if transposed, for the source-tile kernels: a
-        transposed load would go through shared memory), one batched matmul (fp32 accumulation)
-        shared by all heads of a group."""
-        b, _, _, _, g, _ = self.shape
-        c, k = self.c, self.k
-        out = "bcgts" if transposed else "bcgst"
-        if self.layout.gpu:
-            B, C = (v.reshape(b, c, k, g, self.n_pad) for v in (self.B, self.C))
-            cb = jnp.einsum(f"bcsgn,bctgn->{out}", C, B, preferred_element_type=F32)
-        else:
-            B, C = (v.reshape(b, g, c, k, self.n_pad) for v in (self.B, self.C))
-            cb = jnp.einsum(f"bgcsn,bgctn->{out}", C, B, preferred_element_type=F32)
-        return cb.astype(self.mm_dtype)
-
-    def score_grads(self, dcb):
-        """(dB, dC) (b, l', g, n') fp32 through the scores C_s . B_t given their gradient
-        dcb (b, c, g, k, k) indexed [t, s]: dB_t = sum_s dcb[t, s] C_s, dC_s = sum_t dcb[t, s] B_t
-        (batched matmuls, fp32 accumulation)."""
-        b, _, _, _, g, _ = self.shape
-        c, k = self.c, self.k
-        seq = self.layout.from_seq_major
-        B, C = (seq(v).reshape(b, c, k, g, self.n_pad) for v in (self.B, self.C))
-        db = jnp.einsum("bcgts,bcsgn->bctgn", dcb, C, preferred_element_type=F32)
-        dc = jnp.einsum("bcgts,bctgn->bcsgn", dcb, B, preferred_element_type=F32)
-        return (v.reshape(b, c * k, g, self.n_pad) for v in (db, dc))
-
-    def vectors(self, *arrays):
-        """(b, h, c, k) fp32 arrays as (b, h, c, k, 1) columns / (b, h, c, 1, k) rows."""
-        return [a[..., None] for a in arrays] + [a[..., None, :] for a in arrays]
-
-    def crop(self, arr_blhf, f):
-        """Drop the length and feature padding of a (b, l', h, f') array."""
-        _, l, *_ = self.shape
-        return arr_blhf[:, :l, :, :f]
-
-
 def chunk_states(prep, x, w_bhck, B, *, interpret=None):
     """S (b, c, h, p', n') fp32: per chunk sum_t w[t] x[t]^T B[t] (x-like, B-like inputs)."""
     lay = prep.layout
     b, _, h, *_ = prep.shape
     p, n = prep.p_pad, prep.n_pad
-    return _call(
+    return call(
         _chunk_state_kernel,
         lay,
         (b, h, prep.c),
@@ -412,16 +443,6 @@ def pass_state_grads(prep, dS_bchpn, dfinal_bhpn, h_in, interpret=None):
     return _pass(prep, dS_bchpn, dfinal_bhpn, reverse=True, other=h_in, interpret=interpret)
 
 
-def pad_state(prep, state_bhpn):
-    """A (b, h, p, n) state in fp32, zero-padded to (p', n')."""
-    _, _, _, p, _, n = prep.shape
-    if state_bhpn is None:
-        b, _, h, *_ = prep.shape
-        return jnp.zeros((b, h, prep.p_pad, prep.n_pad), F32)
-    widths = [(0, 0), (0, 0), (0, prep.p_pad - p), (0, prep.n_pad - n)]
-    return jnp.pad(state_bhpn.astype(F32), widths)
-
-
 def chunk_outputs(prep, h_in, *, interpret=None):
     """y (b, l', h, p') in the variant's layout from the incoming states."""
     lay = prep.layout
@@ -430,10 +451,19 @@ def chunk_outputs(prep, h_in, *, interpret=None):
     cs_c, dt_c, wout_c, cs_r, dt_r, _ = prep.vectors(prep.cs, prep.dt, prep.w_out)
     grid = (b, h, prep.c, prep.k // lay.tile)
     in_specs = [
-        lay.chunk(p), lay.scores(), lay.group_chunk(n), lay.column(), lay.row(),
-        lay.row(), lay.seq_column(), lay.seq_row(), lay.column(), lay.state(p, n), lay.scalar(),
-    ]  # fmt: skip
-    return _call(
+        lay.chunk(p),
+        lay.scores(),
+        lay.group_chunk(n),
+        lay.column(),
+        lay.row(),
+        lay.row(),
+        lay.seq_column(),
+        lay.seq_row(),
+        lay.column(),
+        lay.state(p, n),
+        lay.scalar(),
+    ]
+    return call(
         _chunk_out_kernel,
         lay,
         grid,
@@ -444,136 +474,15 @@ def chunk_outputs(prep, h_in, *, interpret=None):
         num_warps=prep.sizes.num_warps,
         num_stages=prep.sizes.num_stages,
     )(
-        prep.x, prep.scores(), prep.C, cs_c, cs_r, dt_r, prep.seq[..., None], prep.seq[:, :, None],
-        wout_c, h_in, prep.D[:, None, None],
-    )  # fmt: skip
-
-
-def _chunk_kernels(prep, interpret):
-    """(chunk_states, chunk_outputs): the Mosaic GPU twins where `kernel_mgpu.use_mosaic_gpu`
-    says (Hopper, measured faster), else the Triton / Mosaic TPU ones above."""
-    if kernel_mgpu.use_mosaic_gpu(prep, prep.sizes.mosaic_gpu, interpret):
-        return kernel_mgpu.chunk_states_mgpu, kernel_mgpu.chunk_outputs_mgpu
-    return chunk_states, chunk_outputs
-
-
-def forward(x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size, variant, sizes,
-            interpret=None):  # fmt: skip
-    """(y (b, l, h, p) in x.dtype, final state (b, h, p, n) fp32, residuals for backward);
-    `sizes` are resolved BlockSizes."""
-    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
-    states, outputs = _chunk_kernels(prep, interpret)
-    S = states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret)
-    h_in, final = pass_states(prep, S, pad_state(prep, initial_state), interpret)
-    y = outputs(prep, h_in, interpret=interpret)
-    _, _, _, p, _, n = prep.shape
-    y = prep.crop(prep.layout.from_seq_major(y), p)
-    return y, final[:, :, :p, :n], h_in
-
-
-def backward(x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, *, chunk_size,
-             variant, sizes, interpret=None):  # fmt: skip
-    """Gradients (dx, ddt, dA, dB, dC, dD, d initial_state) of forward's (y, final state)."""
-    prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
-    lay = prep.layout
-    b, l, h, p, g, n = prep.shape
-    pp, nn, c, k = prep.p_pad, prep.n_pad, prep.c, prep.k
-    dy_pad = jnp.pad(dy.astype(prep.mm_dtype), [(0, 0), (0, c * k - l), (0, 0), (0, pp - p)])
-    dy_l = lay.seq_major(dy_pad)
-
-    # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
-    states, _ = _chunk_kernels(prep, interpret)
-    dS = states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
-    dh_out, dh0, carry_dots = pass_state_grads(prep, dS, pad_state(prep, dfinal), h_in, interpret)
-
-    cs_c, dt_c, wout_c, wst_c, cs_r, _, _, _ = prep.vectors(
-        prep.cs, prep.dt, prep.w_out, prep.w_state
-    )
-    seq_c, seq_r = prep.seq[..., None], prep.seq[:, :, None]
-    lay = prep.grad_layout
-    blocks = h // lay.hb
-    grid = (b, blocks, c, k // lay.tile)
-    col_out = jax.ShapeDtypeStruct((b, h, c, k, 1), F32)
-    sum_shape = (b, c * k, blocks, nn) if lay.gpu else (b, blocks, c * k, nn)
-    sum_out = jax.ShapeDtypeStruct(sum_shape, F32)
-    cbt = prep.scores(transposed=True)
-    one = prep.dx_layout
-    tiles = k // lay.tile
-    dx, dd_part = _call(
-        grad_dx_kernel,
-        one,
-        (b, h, c, k // one.tile),
-        [
-            one.chunk(pp),
-            one.tile_of(pp),
-            one.group_chunk(nn),
-            one.scores(),
-            one.column(),
-            one.row(),
-            one.column(),
-            one.seq_column(),
-            one.seq_row(),
-            one.column(),
-            one.state(pp, nn),
-            one.scalar(),
-        ],
-        [one.tile_of(pp), one.per_tile_scalar()],
-        [
-            jax.ShapeDtypeStruct(prep.x.shape, x.dtype),
-            jax.ShapeDtypeStruct((b, h, c, k // one.tile, 1, 1), F32),
-        ],
-        interpret=interpret,
-        num_warps=prep.sizes.num_warps_bwd,
-        num_stages=prep.sizes.num_stages_bwd,
-    )(
-        dy_l, prep.x, prep.B, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out,
-        prep.D[:, None, None],
-    )  # fmt: skip
-    dcb_shape = (b, c, blocks, k, k)
-    dcb, ddt_intra, v, db_state, dc_state, rowsum_part, u = _call(
-        grad_bc_kernel,
-        lay,
-        grid,
-        [lay.chunk(pp), lay.chunk(pp), lay.group_chunk(nn), lay.group_chunk(nn), lay.scores(),
-         lay.column(), lay.row(), lay.column(), lay.seq_column(), lay.seq_row(), lay.column(),
-         lay.state(pp, nn), lay.column(), lay.state(pp, nn)],  # fmt: skip
-        [lay.score_rows(), lay.column_tile(), lay.column_tile(), lay.tile_of(nn, heads=False),
-         lay.tile_of(nn, heads=False), lay.row_partial(), lay.column_tile()],  # fmt: skip
-        [jax.ShapeDtypeStruct(dcb_shape, F32), col_out, col_out, sum_out, sum_out,
-         jax.ShapeDtypeStruct((b, h, c, tiles, 1, k), F32), col_out],  # fmt: skip
-        interpret=interpret,
-        num_warps=prep.sizes.num_warps_bwd,
-        num_stages=prep.sizes.num_stages_bwd,
-    )(
-        prep.x, dy_l, prep.B, prep.C, cbt, cs_c, cs_r, dt_c, seq_c, seq_r, wst_c, dh_out, wout_c,
+        prep.x,
+        prep.scores(),
+        prep.C,
+        cs_c,
+        cs_r,
+        dt_r,
+        prep.seq[..., None],
+        prep.seq[:, :, None],
+        wout_c,
         h_in,
-    )  # fmt: skip
-    rowsum = rowsum_part.sum(axis=3)[..., 0, :]  # over source tiles
-    # dCB summed over the head blocks of each group, then the intra-chunk dB and dC.
-    dcb = dcb.reshape(b, c, g, blocks // g, k, k).sum(axis=3).astype(prep.mm_dtype)
-    db_intra, dc_intra = prep.score_grads(dcb)
-
-    # Decay gradient per position (see the module docstring for the terms), then a reverse
-    # cumsum within each chunk gives d(dt * A).
-    ddt_intra, v, u = (arr[..., 0] for arr in (ddt_intra, v, u))
-    state_term = prep.w_state * prep.dt * v
-    dcs = rowsum - prep.dt * ddt_intra + prep.w_out * u - state_term
-    carry = prep.decay * carry_dots
-    dcs = dcs.at[..., -1].add(jnp.sum(state_term, axis=-1) + carry)
-    da = jnp.flip(jnp.cumsum(jnp.flip(dcs, -1), axis=-1), -1)
-    ddt = ddt_intra + prep.w_state * v + da * prep.A[:, None, None]
-    dA = jnp.einsum("bhck,bhck->h", da, prep.dt)
-    ddt = jnp.moveaxis(ddt.reshape(b, h, c * k), 1, 2)[:, :l]
-
-    def group_sum(arr):
-        """Per-head-block (b, l', h / hb, n') sums summed over the blocks of each group."""
-        arr = lay.from_seq_major(arr)[:, :l, :, :n]
-        return arr.reshape(b, l, g, blocks // g, n).sum(axis=3)
-
-    db = group_sum(db_state) + db_intra[:, :l, :, :n]
-    dc = group_sum(dc_state) + dc_intra[:, :l, :, :n]
-
-    dx = prep.crop(lay.from_seq_major(dx), p)
-    dD = dd_part.sum(axis=(0, 2, 3, 4, 5))
-    dh0 = dh0[:, :, :p, :n]
-    return dx, ddt, dA, db, dc, dD, dh0
+        prep.D[:, None, None],
+    )

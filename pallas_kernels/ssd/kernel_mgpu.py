@@ -2,7 +2,7 @@
 
 kernel.py writes them for Pallas Triton; these are their Mosaic GPU ("plgpu") twins. They take
 the same `Prepared` inputs (the "gpu" layout) and return what `chunk_states` / `chunk_outputs`
-return, so `kernel.forward` / `kernel.backward` take them instead on an sm_90 GPU when the inputs
+return, so `pallas.forward` / `pallas.backward` take them instead on an sm_90 GPU when the inputs
 suit them and XLA runs custom calls outside its CUDA graphs (`use_mosaic_gpu`): chunk_out
 measured 0.66-0.78x the Triton kernel's time on an H100, chunk_state level (BENCHMARKS.md,
 bench/ssd_mosaic_gpu.py).
@@ -19,7 +19,7 @@ once per program instead of once per head, while the next head's x and state are
     chunk_out: per (b, c, block of heads, 128 target rows): two compute warpgroups of 64 rows.
         y_s = sum_{t<=s} (C_s.B_t) L[s, t] dt_t x_t + w_out[s] C_s H^T + D x_s, with C_s.B_t
         computed in the kernel by wgmma (fp32; kernel.py reads it rounded to bf16 from XLA)
-        and the causal / same-document mask and decay applied in registers as in tiles.py.
+        and the causal / same-document mask and decay applied in registers as in kernel.py.
 
 Only 16-bit matmul inputs: fp32 wgmma means tf32 (10-bit mantissa, far outside the fp32
 tolerance the Triton kernels meet) and requires both operands contiguous along the contracted
@@ -36,7 +36,6 @@ the CPUs, or by NPROC if set before jax starts; tests/conftest.py sets it).
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,43 +43,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..backend import custom_calls_in_cuda_graphs
-from .tiles import F32
+from ..backend import custom_calls_in_cuda_graphs, mosaic_gpu_interpret_params
+from .kernel import F32
 
 ROWS = 64  # rows of one wgmma tile (one warpgroup); also the source tile of chunk_out
 SWIZZLE = 128  # bytes: the widest swizzle, so rows of >= 64 bf16 elements tile as (8, 64)
 _MM_DTYPES = (jnp.bfloat16, jnp.float16)
 _SMEM_BYTES = 227 * 1024  # an H100's shared memory per block (opt-in maximum)
-
-
-def _interpret_params(interpret, num_threads):
-    """The `interpret=` argument of plgpu.kernel: Mosaic GPU's interpreter on a CPU (or when
-    forced with True), else compiled. RuntimeError if the interpreter would deadlock."""
-    if interpret is None:
-        interpret = jax.default_backend() not in ("gpu", "cuda")
-    if not interpret:
-        return None
-    # One thread per warpgroup, plus the one running the computation that called the kernel.
-    needed, cpu_threads = num_threads + 1, _xla_cpu_threads()
-    if cpu_threads < needed:
-        raise RuntimeError(
-            f"Mosaic GPU's interpreter runs this kernel's {num_threads} warpgroups on the XLA CPU "
-            f"client's {cpu_threads} threads and would wait forever on its barriers; start the "
-            f"process with NPROC={needed} (or more) in the environment"
-        )
-    params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
-    if params is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
-
-
-def _xla_cpu_threads():
-    """Threads of XLA's CPU client pool, which runs the interpreter's callbacks: NPROC if set
-    (read when jax starts its CPU backend), else the CPUs this process may use."""
-    nproc = os.environ.get("NPROC", "")
-    if nproc.isdigit():
-        return int(nproc)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _smem(shape, dtype):
@@ -246,7 +215,7 @@ def chunk_states_mgpu(prep, x, w_bhck, B, *, interpret=None):
     if B.dtype != dtype:
         raise ValueError(f"chunk_states_mgpu: x and B dtypes differ: {dtype} vs {B.dtype}")
     slots = 2  # x / w buffers: the next head loads while this one computes
-    params = _interpret_params(interpret, num_threads=2)
+    params = mosaic_gpu_interpret_params(interpret, num_threads=2)
     ops = _Ops(params is not None)
     smem = [
         _smem((k, n), dtype),  # B of the chunk's group
@@ -256,8 +225,9 @@ def chunk_states_mgpu(prep, x, w_bhck, B, *, interpret=None):
     ]
     _check_smem("chunk_states_mgpu", smem)
 
-    def chunk_state(x_ref, w_ref, b_ref, s_ref, b_smem, x_smem, w_smem, s_smem, b_ready,
-                    head_ready, head_free):  # fmt: skip
+    def chunk_state(
+        x_ref, w_ref, b_ref, s_ref, b_smem, x_smem, w_smem, s_smem, b_ready, head_ready, head_free
+    ):
         # inputs: x_ref (b, l', h, p), w_ref (b, h, c, k), b_ref (b, l', g, n) in GMEM
         # outputs: s_ref (b, c, h, p, n) fp32 in GMEM
         blk, ci, bi = (lax.axis_index(a) for a in ("heads", "c", "b"))
@@ -366,7 +336,7 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
         raise ValueError(f"chunk_outputs_mgpu: h_in must be {dtype}, got {h_in.dtype}")
     halves = k // (2 * ROWS)  # programs per chunk: 128 target rows each, 64 per warpgroup
     slots = 2
-    params = _interpret_params(interpret, num_threads=3)
+    params = mosaic_gpu_interpret_params(interpret, num_threads=3)
     ops = _Ops(params is not None)
     smem = [
         _smem((2 * ROWS, n), dtype),  # C of this program's target rows
@@ -383,9 +353,27 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
     d_rep = jnp.broadcast_to(prep.D[:, None], (h, ROWS))
     vec_bhc3k = jnp.stack([prep.cs, prep.dt, prep.w_out], axis=3)
 
-    def chunk_out(x_ref, c_ref, b_ref, seq_ref, vec_ref, h_ref, d_ref, y_ref, c_smem, b_smem,
-                  seq_smem, x_smem, h_smem, vec_smem, d_smem, y_smem, chunk_ready, head_ready,
-                  head_free):  # fmt: skip
+    def chunk_out(
+        x_ref,
+        c_ref,
+        b_ref,
+        seq_ref,
+        vec_ref,
+        h_ref,
+        d_ref,
+        y_ref,
+        c_smem,
+        b_smem,
+        seq_smem,
+        x_smem,
+        h_smem,
+        vec_smem,
+        d_smem,
+        y_smem,
+        chunk_ready,
+        head_ready,
+        head_free,
+    ):
         # inputs: x_ref (b, l', h, p), c_ref / b_ref (b, l', g, n), seq_ref (b, c, k) int32,
         #   vec_ref (b, h, c, 3, k) fp32 [cs, dt, w_out], h_ref (b, c, h, p, n), d_ref (h, 64)
         # outputs: y_ref (b, l', h, p)
@@ -452,7 +440,7 @@ def chunk_outputs_mgpu(prep, h_in, *, interpret=None):
                     same_doc = seq_s == lax.broadcast_in_dim(seq_t, (ROWS, ROWS), [1])
                     keep = same_doc & (pos_t + j * ROWS <= pos_s + i * ROWS)
                     log_decay = cs_s - lax.broadcast_in_dim(cs_t, (ROWS, ROWS), [1])
-                    # exp never sees the masked (possibly huge) values (tiles.masked_exp).
+                    # exp never sees the masked (possibly huge) values (kernel.masked_exp).
                     decay = jnp.exp(jnp.where(keep, log_decay, 0.0))
                     weights = cb_st * decay * lax.broadcast_in_dim(dt_t, (ROWS, ROWS), [1])
                     scores_st = jnp.where(keep, weights, 0.0).astype(dtype)

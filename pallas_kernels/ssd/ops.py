@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from .. import backend
 from ..checks import check_float, check_shape
-from . import kernel
+from . import pallas
 from .chunked import ssd_chunked
 from .reference import ssd_reference, ssd_sequential
 from .tiling import resolve_block_sizes
@@ -51,8 +51,15 @@ def _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl):
 def _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant):
     """What the Pallas kernels need beyond the op's contract."""
     backend.check_variant(variant)
-    for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D),
-                      ("initial_state", initial_state)):  # fmt: skip
+    for name, arr in (
+        ("x", x),
+        ("dt", dt),
+        ("A", A),
+        ("B", B),
+        ("C", C),
+        ("D", D),
+        ("initial_state", initial_state),
+    ):
         if arr is not None and arr.dtype == jnp.float64:
             raise ValueError(f"impl='pallas' computes in fp32; {name} is float64")
     if variant == "gpu" and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
@@ -63,37 +70,76 @@ def _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes,
-                interpret):  # fmt: skip
+def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes, interpret):
     """(y, final state) by the Pallas kernels, differentiable through the hand-written backward."""
-    y, final, _ = kernel.forward(
-        x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
-        sizes=sizes, interpret=interpret,
-    )  # fmt: skip
+    y, final, _ = pallas.forward(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        initial_state,
+        seq_idx,
+        chunk_size=chunk_size,
+        variant=variant,
+        sizes=sizes,
+        interpret=interpret,
+    )
     return y, final
 
 
-def _ssd_pallas_fwd(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes,
-                    interpret):  # fmt: skip
-    y, final, h_in = kernel.forward(
-        x, dt, A, B, C, D, initial_state, seq_idx, chunk_size=chunk_size, variant=variant,
-        sizes=sizes, interpret=interpret,
-    )  # fmt: skip
+def _ssd_pallas_fwd(
+    x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes, interpret
+):
+    y, final, h_in = pallas.forward(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        initial_state,
+        seq_idx,
+        chunk_size=chunk_size,
+        variant=variant,
+        sizes=sizes,
+        interpret=interpret,
+    )
     return (y, final), (x, dt, A, B, C, D, initial_state, seq_idx, h_in)
 
 
 def _ssd_pallas_bwd(chunk_size, variant, sizes, interpret, residuals, cotangents):
     x, dt, A, B, C, D, initial_state, seq_idx, h_in = residuals
     dy, dfinal = cotangents
-    dx, ddt, dA, dB, dC, dD, dh0 = kernel.backward(
-        x, dt, A, B, C, D, initial_state, seq_idx, h_in, dy, dfinal, chunk_size=chunk_size,
-        variant=variant, sizes=sizes, interpret=interpret,
-    )  # fmt: skip
+    dx, ddt, dA, dB, dC, dD, dh0 = pallas.backward(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        initial_state,
+        seq_idx,
+        h_in,
+        dy,
+        dfinal,
+        chunk_size=chunk_size,
+        variant=variant,
+        sizes=sizes,
+        interpret=interpret,
+    )
     cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
     return (
-        cast(dx, x), cast(ddt, dt), cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D),
-        cast(dh0, initial_state), None,
-    )  # fmt: skip
+        cast(dx, x),
+        cast(ddt, dt),
+        cast(dA, A),
+        cast(dB, B),
+        cast(dC, C),
+        cast(dD, D),
+        cast(dh0, initial_state),
+        None,
+    )
 
 
 _ssd_pallas.defvjp(_ssd_pallas_fwd, _ssd_pallas_bwd)
@@ -102,9 +148,14 @@ _ssd_pallas.defvjp(_ssd_pallas_fwd, _ssd_pallas_bwd)
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "chunk_size", "return_final_state", "impl", "variant", "interpret", "block_sizes"
+        "chunk_size",
+        "return_final_state",
+        "impl",
+        "variant",
+        "interpret",
+        "block_sizes",
     ),
-)  # fmt: skip
+)
 def ssd(
     x,
     dt,

@@ -1,7 +1,12 @@
-"""Tuning knobs of the Pallas SSD: rows per tile, heads per backward program, Triton warps,
-and whether the chunk_state / chunk_out kernels are the Mosaic GPU ones."""
+"""Tiling of the Pallas SSD: the tuning knobs (rows per tile, heads per backward program, Triton
+warps, whether the chunk_state / chunk_out kernels are the Mosaic GPU ones) and the block specs
+of each variant."""
 
 import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from ..backend import check_variant
 
@@ -48,8 +53,9 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
     for name, value in dataclasses.asdict(sizes).items():
         if name == "mosaic_gpu":
             continue
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value <= 0):  # fmt: skip
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value <= 0
+        ):
             raise ValueError(f"block_sizes.{name} must be a positive int, got {value!r}")
     tile = min(chunk_size, _TILE[variant])
     sizes = BlockSizes(
@@ -74,3 +80,108 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
             f"got {sizes.heads_per_block}"
         )
     return sizes
+
+
+class Layout:
+    """Block specs of one variant for grids (b, head block, c) and (b, head block, c, tile).
+
+    A program sees `hb` consecutive heads (of one group). gpu: x-like (b, l, h, p), B-like
+    (b, l, g, n); tpu: x-like (b, h, l, p), B-like (b, g, l, n). Per-position vectors are
+    (b, h, c, k, 1) columns and (b, h, c, 1, k) rows; seq ids (b, c, k, 1) / (b, c, 1, k);
+    states (b, c, h, p, n); D (h, 1, 1); per-head-block sums x-like with h / hb "heads"."""
+
+    def __init__(self, variant, k, tile, r, hb=1):
+        self.variant, self.k, self.tile, self.hb = variant, k, tile, hb
+        self.blocks_per_group = r // hb
+        self.gpu = variant == "gpu"
+
+    def seq_major(self, arr):
+        """A (b, l, h, f) array in this variant's layout."""
+        return arr if self.gpu else jnp.moveaxis(arr, 2, 1)
+
+    def from_seq_major(self, arr):
+        """Back to (b, l, h, f)."""
+        return arr if self.gpu else jnp.moveaxis(arr, 1, 2)
+
+    def _x_like(self, rows, heads, f, row_block, head_block):
+        """Block (rows, heads, f) of an x-like array in this layout."""
+        if self.gpu:
+            return pl.BlockSpec(
+                (None, rows, heads, f),
+                lambda b, hb, c, *i: (b, row_block(c, *i), head_block(hb), 0),
+            )
+        return pl.BlockSpec(
+            (None, heads, rows, f), lambda b, hb, c, *i: (b, head_block(hb), row_block(c, *i), 0)
+        )
+
+    def chunk(self, f):
+        """The whole chunk of an x-like array, this program's heads."""
+        return self._x_like(self.k, self.hb, f, lambda c, *i: c, lambda hb: hb)
+
+    def group_chunk(self, f):
+        """The whole chunk of a B-like array, this program's group."""
+        per = self.blocks_per_group
+        return self._x_like(self.k, None, f, lambda c, *i: c, lambda hb: jax.lax.div(hb, per))
+
+    def tile_of(self, f, heads=True):
+        """Tile i of chunk c of an x-like array (this program's heads), or of a per-head-block
+        sum (heads=False)."""
+        per = self.k // self.tile
+        return self._x_like(
+            self.tile, self.hb if heads else None, f, lambda c, i: c * per + i, lambda hb: hb
+        )
+
+    def scores(self):
+        """The chunk's C B^T (k, k) of this program's group, from (b, c, g, k, k)."""
+        per = self.blocks_per_group
+        return pl.BlockSpec(
+            (None, None, None, self.k, self.k),
+            lambda b, hb, c, *i: (b, c, jax.lax.div(hb, per), 0, 0),
+        )
+
+    def column(self):
+        """Per-position (b, h, c, k, 1) vectors, whole chunk."""
+        return pl.BlockSpec((None, self.hb, None, self.k, 1), lambda b, hb, c, *i: (b, hb, c, 0, 0))
+
+    def row(self):
+        """Per-position (b, h, c, 1, k) vectors, whole chunk."""
+        return pl.BlockSpec((None, self.hb, None, 1, self.k), lambda b, hb, c, *i: (b, hb, c, 0, 0))
+
+    def score_rows(self):
+        """Rows of tile i of a (b, c, h / hb, k, k) per-head-block score gradient."""
+        return pl.BlockSpec(
+            (None, None, None, self.tile, self.k), lambda b, hb, c, i: (b, c, hb, i, 0)
+        )
+
+    def row_partial(self):
+        """Per source tile i, (b, h, c, k / tile, 1, k) per-position partial rows."""
+        return pl.BlockSpec(
+            (None, self.hb, None, None, 1, self.k), lambda b, hb, c, i: (b, hb, c, i, 0, 0)
+        )
+
+    def per_tile_scalar(self):
+        """One (1, 1) value per program of a (b, h, c, k / tile, 1, 1) array (one head per
+        program)."""
+        return pl.BlockSpec((None, None, None, None, 1, 1), lambda b, hb, c, i: (b, hb, c, i, 0, 0))
+
+    def column_tile(self):
+        """Tile i of per-position columns (outputs)."""
+        return pl.BlockSpec(
+            (None, self.hb, None, self.tile, 1), lambda b, hb, c, i: (b, hb, c, i, 0)
+        )
+
+    def seq_column(self):
+        """Document ids (b, c, k, 1) of the chunk."""
+        return pl.BlockSpec((None, None, self.k, 1), lambda b, hb, c, *i: (b, c, 0, 0))
+
+    def seq_row(self):
+        """Document ids (b, c, 1, k) of the chunk."""
+        return pl.BlockSpec((None, None, 1, self.k), lambda b, hb, c, *i: (b, c, 0, 0))
+
+    def state(self, p, n):
+        """The chunk's (hb, p, n) states of a (b, c, h, p, n) array."""
+        return pl.BlockSpec((None, None, self.hb, p, n), lambda b, hb, c, *i: (b, c, hb, 0, 0))
+
+    def scalar(self):
+        """D of this program's heads, stored (h, 1, 1)."""
+        return pl.BlockSpec((self.hb, 1, 1), lambda b, hb, c, *i: (hb, 0, 0))

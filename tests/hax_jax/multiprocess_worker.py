@@ -1,4 +1,5 @@
-"""One process of a multi-process test run: `python multiprocess_worker.py OUT STEPS [key=value ...]`.
+"""One process of a multi-process test run: `python multiprocess_worker.py OUT STEPS [key=value
+...]`.
 
 Started like train.py (the JAX_* variables of hax_jax.distributed), it builds train.py's Trainer,
 runs STEPS steps and after each writes, per parameter shard this process holds, a checksum (the

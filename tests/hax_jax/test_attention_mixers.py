@@ -6,19 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from hax_jax.config import AttentionConfig, InfiniConfig, MambaConfig, MlpConfig, ModelConfig
-from hax_jax.layers.infini import memory_retrieve, memory_update, sigma
-from hax_jax.models.blocks import MIXERS
-from hax_jax.models.lm import LanguageModel
 from mixer_testing import (
-    lm_logits,
-    lm_prefill_then_decode,
-    perturbed,
+    assert_lm_decode_equals_parallel,
+    assert_trees_close,
+    perturbed_mixer,
     prefill_then_decode,
     random_inputs,
     run_parallel,
 )
+
+from hax_jax.config import AttentionConfig, InfiniConfig, MambaConfig, MlpConfig, ModelConfig
+from hax_jax.layers.infini import memory_retrieve, memory_update, sigma
+from hax_jax.models.blocks import MIXERS
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 WINDOW, SEGMENT = 5, 6  # small, so short sequences cross several windows / segments
@@ -49,18 +48,7 @@ def _cfg(kind: str, **kw) -> ModelConfig:
 def _mixer(variant: str, seed: int = 0, **kw):
     """A mixer with every parameter moved off its init, so structure cannot hide errors."""
     kind, overrides = VARIANTS[variant]
-    return perturbed(
-        MIXERS[kind](_cfg(kind, **{**overrides, **kw}), rngs=nnx.Rngs(seed)),
-        seed=seed + 1,
-        scale=0.1,
-    )
-
-
-def _assert_trees_close(got, want):
-    """Every leaf of two caches agrees."""
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, **TOL[jnp.float32])
+    return perturbed_mixer(kind, _cfg(kind, **{**overrides, **kw}), seed)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -71,7 +59,7 @@ def test_step_equals_parallel(variant):
     # Prefill 7 tokens in parallel (past a window and a segment), then decode one token at a time.
     decoded, cache = prefill_then_decode(mixer, u, prefix=7)
     np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])
-    _assert_trees_close(cache, final_cache)
+    assert_trees_close(cache, final_cache, TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("variant", CACHED)
@@ -86,7 +74,7 @@ def test_pieces_equal_whole(variant):
         y, cache = run_parallel(mixer, u[:, lo:hi], cache)
         outs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **TOL[jnp.float32])
-    _assert_trees_close(cache, final_cache)
+    assert_trees_close(cache, final_cache, TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -287,9 +275,4 @@ def test_samba_lm_decode_equals_parallel():
         mamba=MambaConfig(d_state=8, d_conv=4),
         attention=AttentionConfig(n_heads=4, window=4),
     )
-    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size)
-    full = lm_logits(model, tokens)
-    assert full.shape == (2, 13, cfg.padded_vocab_size) and full.dtype == jnp.float32
-    decoded, _ = lm_prefill_then_decode(model, tokens, prefix=4)
-    np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])
+    assert_lm_decode_equals_parallel(cfg, TOL[jnp.float32])

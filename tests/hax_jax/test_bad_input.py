@@ -1,4 +1,5 @@
-"""Issue 19: bad user input raises a ValueError (FileNotFoundError) naming the argument and its value."""
+"""Issue 19: bad user input raises a ValueError (FileNotFoundError) naming the argument and its
+value."""
 
 from pathlib import Path
 
@@ -91,7 +92,9 @@ def test_load_pretrained_names_parameters_its_config_does_not_hold(model, tmp_pa
     hax_jax.save_pretrained(model, tmp_path)
     other = config_lib.apply_overrides(model.cfg, ["mamba2.d_state=16"])
     config_lib.save_json(other, tmp_path / "config.json")
-    with pytest.raises(ValueError, match=r"in_proj/kernel/B has shape \(16, 1, 8\) there, \(16, 1, 16\) here"):
+    with pytest.raises(
+        ValueError, match=r"in_proj/kernel/B has shape \(16, 1, 8\) there, \(16, 1, 16\) here"
+    ):
         hax_jax.load_pretrained(tmp_path)
 
 

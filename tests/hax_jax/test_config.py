@@ -1,4 +1,5 @@
-"""Configs: overrides parse to the field's type or fail naming the key; every config builds; param counts."""
+"""Configs: overrides parse to the field's type or fail naming the key; every config builds; param
+counts."""
 
 import dataclasses
 import json
@@ -14,7 +15,11 @@ from hax_jax.checkpoint import abstract_model, check_resumable
 from hax_jax.config import Config, ModelConfig
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs"
-CONFIGS = sorted(CONFIG_DIR.glob("*.py"))
+RELEASED = config_lib.load_config_module(CONFIG_DIR / "released.py").NAMES
+# Every config file (with its default argument) and every released model: (id, spec).
+CONFIGS = [(p.stem, str(p)) for p in sorted(CONFIG_DIR.glob("*.py"))] + [
+    (name, f"{CONFIG_DIR / 'released.py'}:{name}") for name in RELEASED
+]
 
 # PAPERS.md §4.2 (tied embeddings; vocab padded to 50280 / 50288), in millions, as printed.
 # Compared at the printed precision.
@@ -101,15 +106,15 @@ def test_json_round_trip(tmp_path):
         config_lib.from_dict(Config, {"model": {"bogus": 1}})
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_every_config_builds(path):
-    cfg = config_lib.load_config_file(path)
+@pytest.mark.parametrize("name, spec", CONFIGS, ids=[name for name, _ in CONFIGS])
+def test_every_config_builds(name, spec):
+    cfg = config_lib.load_config_file(spec)
     assert isinstance(cfg, Config) and dataclasses.is_dataclass(cfg.model)
     count = _param_count(cfg.model)
-    if path.stem in RELEASED_PARAMS_M:
-        expected = RELEASED_PARAMS_M[path.stem]
+    if name in RELEASED_PARAMS_M:
+        expected = RELEASED_PARAMS_M[name]
         decimals = len(expected.partition(".")[2])
-        assert f"{count / 1e6:.{decimals}f}" == expected, f"{path.stem}: {count:,} parameters"
+        assert f"{count / 1e6:.{decimals}f}" == expected, f"{name}: {count:,} parameters"
 
 
 def test_joint_recall_grid():
@@ -149,7 +154,9 @@ def test_joint_recall_grid():
 
 
 def test_released_configs_are_all_checked():
-    assert set(RELEASED_PARAMS_M) <= {p.stem for p in CONFIGS}
+    assert set(RELEASED_PARAMS_M) <= set(RELEASED)
+    with pytest.raises(ValueError, match="unknown released model 'mamba_9b'"):
+        config_lib.load_config_file(f"{CONFIG_DIR / 'released.py'}:mamba_9b")
 
 
 def test_a_moved_key_is_refused_with_its_new_name_and_read_from_old_files(tmp_path):

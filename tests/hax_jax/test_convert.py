@@ -1,4 +1,5 @@
-"""Conversion: logits equal to transformers' on tiny random models; HF -> hax_jax -> HF round trip; errors."""
+"""Conversion: logits equal to transformers' on tiny random models; HF -> hax_jax -> HF round trip;
+errors."""
 
 import dataclasses
 import json
@@ -36,7 +37,8 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def _save_hf(model, path, fmt: str):
-    """Writes `model` in one of the HF layouts: single or sharded safetensors, or pytorch_model.bin."""
+    """Writes `model` in one of the HF layouts: single or sharded safetensors, or
+    pytorch_model.bin."""
     if fmt == "bin":
         path.mkdir(parents=True)
         model.config.save_pretrained(path)
@@ -76,7 +78,8 @@ def _save_mamba_ssm(model, path, *, vocab: int, ssm_cfg: dict):
 
 
 def _check_parity_and_round_trip(hf_model, src, tmp_path, vocab):
-    """CLI convert -> load_pretrained -> logits == HF; --to-hf -> same tensors and logits in transformers."""
+    """CLI convert -> load_pretrained -> logits == HF; --to-hf -> same tensors and logits in
+    transformers."""
     out = tmp_path / "hax"
     convert.main([str(src), str(out)])
     model = load_pretrained(out)
@@ -132,7 +135,8 @@ def test_mamba2_matches_transformers(tmp_path, kwargs, fmt):
 
 
 def test_mamba_ssm_checkpoints_match_transformers(tmp_path):
-    # vocab 61 padded to a multiple of 8 gives the 64 embedding rows, as mamba_ssm does for 50277 -> 50280.
+    # vocab 61 padded to a multiple of 8 gives the 64 embedding rows, as mamba_ssm does for 50277 ->
+    # 50280.
     m1 = hf_mamba(tmp_path, vocab=64, seed=1)
     src1 = _save_mamba_ssm(m1, tmp_path / "m1", vocab=61, ssm_cfg={"d_state": 8})
     m2 = hf_mamba2(tmp_path, groups=2, tie=True, chunk=8, seed=2)

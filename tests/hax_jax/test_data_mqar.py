@@ -76,7 +76,7 @@ def test_curriculum_stream_order():
     assert all(src[i]["loss_mask"].sum() == 4 for i in range(15, 30))
     # The same example in two epochs is the same row.
     example_at = {(p[0], p[2]): i for i, p in enumerate(positions[:5])}
-    for i, (stage, epoch, example) in enumerate(positions[5:10], start=5):
+    for i, (stage, _epoch, example) in enumerate(positions[5:10], start=5):
         np.testing.assert_array_equal(src[i]["inputs"], src[example_at[stage, example]]["inputs"])
 
 

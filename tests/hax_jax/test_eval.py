@@ -8,15 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flax import nnx
-from mixer_testing import lm_logits, perturbed
-from text_models import tiny_text_model
+from mixer_testing import lm_logits
+from text_models import small_mamba2, tiny_text_model
 
-from hax_jax import Config, ModelConfig, save_pretrained
-from hax_jax.config import Mamba2Config
+from hax_jax import Config, save_pretrained
 from hax_jax.data import pipeline, text
 from hax_jax.evals import heldout, text_model
-from hax_jax.models.lm import LanguageModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,14 +176,8 @@ def test_recall_tasks_equal_the_paper_metric(tiny):
 def test_mqar_metrics_equal_direct_computation_with_hits():
     """tiny's 512-token vocabulary leaves MQAR at zero hits; over 8 tokens (values 4..7) an
     untrained model gets some queries right, so the accuracies compare nonzero hit counts."""
-    model_cfg = ModelConfig(
-        d_model=32,
-        n_layer=2,
-        vocab_size=8,
-        block_pattern=("mamba2",),
-        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=16),
-    )
-    model = perturbed(LanguageModel(model_cfg, rngs=nnx.Rngs(0)), seed=1, scale=0.2)
+    model = small_mamba2(8)
+    model_cfg = model.cfg
     overrides = ["data.mqar.valid_size=20", "data.seq_len=16", "data.mqar.num_kv_pairs=2"]
     cfg = eval_cli.config_lib.apply_overrides(Config(model=model_cfg), overrides)
     for split in ("valid", "test"):

@@ -1,4 +1,5 @@
-"""generate (cached decode) against generate_reference (a full forward per step), every mixer kind."""
+"""generate (cached decode) against generate_reference (a full forward per step), every mixer
+kind."""
 
 import jax
 import numpy as np

@@ -1,4 +1,5 @@
-"""The HAX branch in both mixers: step == parallel, causality, the ranking loss, rng behaviour, qk init."""
+"""The HAX branch in both mixers: step == parallel, causality, the ranking loss, rng behaviour, qk
+init."""
 
 import dataclasses
 
@@ -161,7 +162,7 @@ def test_no_future_leakage(kind, pattern, training):
         return nnx.merge(graphdef, state)(u, rng=rng)[0]
 
     for i in (4, 17):
-        grad = jax.grad(lambda u: jnp.sum(out(u)[:, i]))(u)
+        grad = jax.grad(lambda u, i=i: jnp.sum(out(u)[:, i]))(u)
         assert np.all(np.asarray(grad[:, i + 1 :]) == 0.0), (pattern, i)
         assert np.any(np.asarray(grad[:, : i + 1]) != 0.0)
         changed = u.at[:, i + 1 :].set(jax.random.normal(jax.random.key(i), u[:, i + 1 :].shape))
@@ -169,8 +170,8 @@ def test_no_future_leakage(kind, pattern, training):
 
 
 def test_official_code_option_leaks_the_future():
-    """The official code centres and normalises over the whole sequence: early outputs depend on later
-    tokens (through which keys are selected), where ours do not."""
+    """The official code centres and normalises over the whole sequence: early outputs depend on
+    later tokens (through which keys are selected), where ours do not."""
     u = random_inputs(b=1, l=29, d=16)
     changed = u.at[:, 12:].set(jax.random.normal(jax.random.key(9), u[:, 12:].shape))
     for official, leaks in ((True, True), (False, False)):

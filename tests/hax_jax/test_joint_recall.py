@@ -8,7 +8,8 @@ from hax_jax.data import joint_recall as jr
 
 
 def test_layout_matches_a_hand_written_example():
-    # 2 contexts x 2 keys, max 2 contexts x 3 keys: contexts are 10 + 16 + 3 + c = 29, 30; keys 26 + k.
+    # 2 contexts x 2 keys, max 2 contexts x 3 keys: contexts are 10 + 16 + 3 + c = 29, 30; keys 26 +
+    # k.
     tokens, mask = jr.layout(
         [[3, 7], [0, 15]],
         context_order=[1, 0],
@@ -233,9 +234,15 @@ def test_three_level_layout_matches_a_hand_written_example():
 
 def test_multi_level_examples_ask_every_entry_and_fit_the_vocab():
     src = jr.JointRecallSource(
-        "train", 20, seed=2, n_context=(2, 4), n_key=(2, 3), max_n_context=4, max_n_key=3,
+        "train",
+        20,
+        seed=2,
+        n_context=(2, 4),
+        n_key=(2, 3),
+        max_n_context=4,
+        max_n_key=3,
         outer_levels=(2, 3),
-    )  # fmt: skip
+    )
     length = jr.padded_length(4, 3, (2, 3))
     assert length == 2 * (2 * (1 + 3 * (1 + 4 * (1 + 2 * 3)))) + 2
     outer_bases = jr.level_bases(16, 4, 3, (2, 3))[:2]

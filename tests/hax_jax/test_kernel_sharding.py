@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hax_jax import sharding
 from hax_jax.config import Mamba2Config, MambaConfig, MeshConfig, ModelConfig, SparseConfig
-from hax_jax.parallel import ssd_head_and_group_names
 from hax_jax.models.blocks import MIXERS
+from hax_jax.parallel import ssd_head_and_group_names
 from tests.support.mixer_testing import perturbed, random_inputs
 
 RTOL = 1e-5  # fp32: max |sharded - single| / max |single|, per array
@@ -131,9 +131,7 @@ def traced_on(monkeypatch):
         ("gpu", (2, 2, 2), True, True),  # a split sequence too: kernels per shard, states passed
     ],
 )
-def test_auto_runs_the_kernels_per_device(
-    traced_on, kind, platform, mesh, kernels, mapped
-):
+def test_auto_runs_the_kernels_per_device(traced_on, kind, platform, mesh, kernels, mapped):
     """impl="auto" (a HAX mixer, abstract: traced only): shard_map around the kernels on a GPU
     under a data x tensor mesh, and with a "seq" axis of 2 too (each shard runs the kernels and
     the shards pass their states, hax_jax.parallel)."""

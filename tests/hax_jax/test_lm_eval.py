@@ -1,4 +1,5 @@
-"""The lm-evaluation-harness adapter: local YAML tasks over local JSONL, offline, against direct sums."""
+"""The lm-evaluation-harness adapter: local YAML tasks over local JSONL, offline, against direct
+sums."""
 
 import json
 import os

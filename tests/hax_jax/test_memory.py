@@ -144,7 +144,11 @@ def test_remat_gives_the_same_loss_metrics_and_gradients():
 
 def test_remat_is_in_the_gradient_only_when_on(monkeypatch):
     batch = _batch()
-    count = lambda cfg: list(_primitives(_grad_jaxpr(cfg, batch))).count(REMAT)
+
+    def count(cfg):
+        """Remat regions in the gradient's jaxpr."""
+        return list(_primitives(_grad_jaxpr(cfg, batch))).count(REMAT)
+
     assert count(CFG) == 0
     assert count(dataclasses.replace(CFG, remat="block")) >= CFG.n_layer
     auto = dataclasses.replace(CFG, remat="auto")
@@ -225,7 +229,10 @@ def test_chunked_loss_never_holds_tokens_by_vocab_logits():
         avals = _avals(_grad_jaxpr(cfg, batch))
         return {a.shape for a in avals if cfg.padded_vocab_size in a.shape[-1:]}
 
-    largest = lambda shapes: max(math.prod(s) for s in shapes)
+    def largest(shapes):
+        """Elements of the largest shape."""
+        return max(math.prod(s) for s in shapes)
+
     assert largest(vocab_shapes(cfg)) >= full  # the walk does see the whole rows' logits
     shapes = vocab_shapes(chunked)
     assert largest(shapes) < full  # ... the head's (d, vocab) weights are the largest here
@@ -260,9 +267,11 @@ def test_sharded_chunked_loss_equals_one_device():
     mesh = sharding.make_mesh(MeshConfig(data=2, seq=2, tensor=2), CPUS)
     state = nnx.state(LanguageModel(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings_dict(state, mesh))
-    rows = lambda x: jax.device_put(
-        x, NamedSharding(mesh, P("data", *(["seq"] if x.ndim > 1 else [])))
-    )
+
+    def rows(x):
+        """x placed with its batch over "data" and positions over "seq"."""
+        return jax.device_put(x, NamedSharding(mesh, P("data", *(["seq"] if x.ndim > 1 else []))))
+
     got = _loss_grads_eval(
         dataclasses.replace(cfg, loss_chunk=8), jax.tree.map(rows, batch), params, mesh
     )

@@ -1,4 +1,5 @@
-"""Mixers and the LM: recurrent step == parallel, pieces == whole, fast == reference grads, packing, causality."""
+"""Mixers and the LM: recurrent step == parallel, pieces == whole, fast == reference grads, packing,
+causality."""
 
 import dataclasses
 
@@ -7,18 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig
-from hax_jax.models.blocks import MIXERS
-from hax_jax.models.lm import LanguageModel
 from mixer_testing import (
-    lm_logits,
-    lm_prefill_then_decode,
-    perturbed,
+    assert_lm_decode_equals_parallel,
+    assert_trees_close,
+    perturbed_mixer,
     prefill_then_decode,
     random_inputs,
     run_parallel,
 )
+
+from hax_jax.config import Mamba2Config, MambaConfig, ModelConfig
+from hax_jax.models.blocks import MIXERS
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)  # fp32 gradients of two exact algorithms
@@ -39,7 +39,7 @@ def _cfg(kind: str, **kw) -> ModelConfig:
 
 def _mixer(kind: str, seed: int = 0, **kw):
     """A mixer with every parameter moved off its init, so structure cannot hide errors."""
-    return perturbed(MIXERS[kind](_cfg(kind, **kw), rngs=nnx.Rngs(seed)), seed=seed + 1, scale=0.1)
+    return perturbed_mixer(kind, _cfg(kind, **kw), seed)
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
@@ -50,8 +50,7 @@ def test_step_equals_parallel(kind):
     # Prefill 7 tokens in parallel, then decode the rest one token at a time.
     decoded, cache = prefill_then_decode(mixer, u, prefix=7)
     np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])
-    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(final_cache), strict=True):
-        np.testing.assert_allclose(got, want, **TOL[jnp.float32])
+    assert_trees_close(cache, final_cache, TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
@@ -90,7 +89,8 @@ def test_pieces_equal_whole(kind):
     ],
 )
 def test_fast_path_gradients_equal_reference(kind, fast, slow):
-    """Values and gradients (inputs and every parameter) of the fast scan match the reference scan."""
+    """Values and gradients (inputs and every parameter) of the fast scan match the reference
+    scan."""
     u = random_inputs(l=21)
     weights = jax.random.normal(jax.random.key(5), u.shape)
 
@@ -161,9 +161,4 @@ def test_lm_decode_equals_parallel_for_a_hybrid():
     cfg = dataclasses.replace(
         _cfg("mamba"), block_pattern=("mamba2", "mamba"), n_layer=4, tie_embeddings=False
     )
-    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, cfg.vocab_size)
-    full = lm_logits(model, tokens)
-    assert full.shape == (2, 13, cfg.padded_vocab_size) and full.dtype == jnp.float32
-    decoded, _ = lm_prefill_then_decode(model, tokens, prefix=4)
-    np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])
+    assert_lm_decode_equals_parallel(cfg, TOL[jnp.float32])

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from text_models import pydoc_tokenizer
 
-from hax_jax.data import ruler
 from hax_jax.evals import ruler as ruler_eval
+from hax_jax.evals import ruler_tasks
 
-SYNTHETIC = [task for task in ruler.TASKS if task != "qa"]
+SYNTHETIC = [task for task in ruler_tasks.TASKS if task != "qa"]
 SQUAD = {
     "version": "v2.0",
     "data": [
@@ -21,17 +21,26 @@ SQUAD = {
                 {
                     "context": "The Quillon river flows north through Vantara into the Merrow Sea.",
                     "qas": [
-                        {"question": "Which sea does the Quillon river flow into?",
-                         "answers": [{"text": "the Merrow Sea"}, {"text": "Merrow Sea"}],
-                         "is_impossible": False},
-                        {"question": "Which river flows south?", "answers": [],
-                         "is_impossible": True},
+                        {
+                            "question": "Which sea does the Quillon river flow into?",
+                            "answers": [{"text": "the Merrow Sea"}, {"text": "Merrow Sea"}],
+                            "is_impossible": False,
+                        },
+                        {
+                            "question": "Which river flows south?",
+                            "answers": [],
+                            "is_impossible": True,
+                        },
                     ],
                 },
                 {
                     "context": "Vantara's oldest bridge over the Quillon was finished in 1761.",
-                    "qas": [{"question": "When was Vantara's oldest bridge finished?",
-                             "answers": [{"text": "1761"}]}],
+                    "qas": [
+                        {
+                            "question": "When was Vantara's oldest bridge finished?",
+                            "answers": [{"text": "1761"}],
+                        }
+                    ],
                 },
             ],
         },
@@ -40,14 +49,18 @@ SQUAD = {
             "paragraphs": [
                 {
                     "context": f"The zorvel is a small bird of the {place} that nests in reeds.",
-                    "qas": [{"question": f"Where does the zorvel of the {place} nest?",
-                             "answers": [{"text": f"reeds of the {place}"}]}],
+                    "qas": [
+                        {
+                            "question": f"Where does the zorvel of the {place} nest?",
+                            "answers": [{"text": f"reeds of the {place}"}],
+                        }
+                    ],
                 }
                 for place in ("Ostmark hills", "Pellucid coast", "Draymoor fens", "Kettle isles")
             ],
         },
     ],
-}  # fmt: skip
+}
 HOTPOT = [
     {
         "question": f"Who founded the guild that built the {hall} hall?",
@@ -84,7 +97,7 @@ def last_task(prompt: str, opening: str) -> str:
 
 def oracle(task: str, prompt: str) -> str:
     """The answer read from the prompt text alone (never from the example's outputs)."""
-    kind = ruler.TASKS[task]["kind"]
+    kind = ruler_tasks.TASKS[task]["kind"]
     if kind == "niah":
         needles = re.findall(r"One of the special magic \w+ for ([\w-]+) is: ([\w-]+)\.", prompt)
         query = re.search(r"What (?:are all|is) the special magic \w+ for (.+?) mentioned", prompt)
@@ -114,7 +127,9 @@ def random_predictor(seed: int = 0):
         """One random completion a prompt."""
         out = []
         for _ in prompts:
-            words = list(rng.choice(ruler.CWE_WORDS, 6)) + list(rng.choice(ruler.WORD_KEYS, 2))
+            words = list(rng.choice(ruler_tasks.CWE_WORDS, 6)) + list(
+                rng.choice(ruler_tasks.WORD_KEYS, 2)
+            )
             numbers = [str(x) for x in rng.integers(10**6, 10**7, 4)]
             names = ["".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), 5)) for _ in range(5)]
             out.append(" ".join(words + numbers + names + [str(rng.integers(10**4, 10**5))]))
@@ -138,8 +153,8 @@ def test_oracle_scores_100_and_random_near_0(setup, task):
         "1024": {"score": 100.0, "examples": 4},
         "score": 100.0,
     }
-    kind = ruler.TASKS[task]["kind"]
-    assert calls == [(4, ruler.MAX_NEW_TOKENS[kind])]
+    kind = ruler_tasks.TASKS[task]["kind"]
+    assert calls == [(4, ruler_tasks.MAX_NEW_TOKENS[kind])]
     rand = ruler_eval.run(
         task, random_predictor(), tokenizer=tokenizer, lengths=[1024], num_examples=4
     )
@@ -152,9 +167,11 @@ def test_prompts_fill_the_token_budget(setup, task, length):
     tokenizer, _ = setup
     if task == "cwe" and length == 512:  # 10 words x 6 repeats need more with this tiny vocabulary
         with pytest.raises(ValueError, match=r"length=512 is too small .*'cwe'.* length=6\d\d"):
-            ruler.generate(task, tokenizer=tokenizer, length=length, num_examples=1)
+            ruler_tasks.generate(task, tokenizer=tokenizer, length=length, num_examples=1)
         return
-    examples = ruler.generate(task, tokenizer=tokenizer, length=length, num_examples=2, seed=3)
+    examples = ruler_tasks.generate(
+        task, tokenizer=tokenizer, length=length, num_examples=2, seed=3
+    )
     for i, e in enumerate(examples):
         budget = length - e.max_new_tokens
         assert (e.task, e.index) == (task, i)
@@ -168,7 +185,7 @@ def test_16k_niah_example_is_quick_and_holds_its_needle(setup, monkeypatch):
     characters), not one text per trial length: bounded on the work done, not on wall-clock."""
     tokenizer, _ = setup
     work = {"calls": 0, "chars": 0}
-    make_counter = ruler._token_counter
+    make_counter = ruler_tasks._token_counter
 
     def counting(tokenizer):
         count_tokens = make_counter(tokenizer)
@@ -180,8 +197,8 @@ def test_16k_niah_example_is_quick_and_holds_its_needle(setup, monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(ruler, "_token_counter", counting)
-    (e,) = ruler.generate("niah_single_1", tokenizer=tokenizer, length=16384, num_examples=1)
+    monkeypatch.setattr(ruler_tasks, "_token_counter", counting)
+    (e,) = ruler_tasks.generate("niah_single_1", tokenizer=tokenizer, length=16384, num_examples=1)
     assert work["calls"] <= 8 and work["chars"] <= 4 * len(e.input), work
     assert 0.9 * (16384 - 128) <= e.length <= 16384 - 128
     assert re.search(rf"One of the special magic numbers for [\w-]+ is: {e.outputs[0]}\.", e.input)
@@ -190,7 +207,7 @@ def test_16k_niah_example_is_quick_and_holds_its_needle(setup, monkeypatch):
 
 def test_essay_haystack_from_a_local_file(setup):
     tokenizer, topics = setup
-    examples = ruler.generate(
+    examples = ruler_tasks.generate(
         "niah_multikey_1", tokenizer=tokenizer, length=2048, num_examples=2, haystack_path=topics
     )
     opening = " ".join(topics.read_text().split()[:12])
@@ -217,7 +234,9 @@ def test_qa_documents_oracle_and_random(setup, tmp_path, data):
     path = tmp_path / "qa.json"
     path.write_text(json.dumps(data))
     gold = gold_answers(data)
-    examples = ruler.generate("qa", tokenizer=tokenizer, length=1024, num_examples=5, qa_path=path)
+    examples = ruler_tasks.generate(
+        "qa", tokenizer=tokenizer, length=1024, num_examples=5, qa_path=path
+    )
     preds = []
     for e in examples:
         question = re.findall(r"\nQuestion: (.+)$", e.input)[-1]
@@ -235,7 +254,7 @@ def test_qa_documents_oracle_and_random(setup, tmp_path, data):
 def test_same_seed_same_prompts_other_seed_others(setup):
     tokenizer, _ = setup
     for task in ("niah_multikey_2", "vt", "cwe", "fwe"):
-        make = lambda seed, task=task: ruler.generate(  # noqa: E731
+        make = lambda seed, task=task: ruler_tasks.generate(  # noqa: E731
             task, tokenizer=tokenizer, length=1024, num_examples=2, seed=seed
         )
         first, again, other = make(0), make(0), make(1)
@@ -248,8 +267,10 @@ def test_tokenizer_truncation_is_ignored_and_kept(setup):
     tokenizer, _ = setup
     truncating = type(tokenizer).from_str(tokenizer.to_str())
     truncating.enable_truncation(64)
-    (e,) = ruler.generate("niah_single_1", tokenizer=truncating, length=1024, num_examples=1)
-    (plain,) = ruler.generate("niah_single_1", tokenizer=tokenizer, length=1024, num_examples=1)
+    (e,) = ruler_tasks.generate("niah_single_1", tokenizer=truncating, length=1024, num_examples=1)
+    (plain,) = ruler_tasks.generate(
+        "niah_single_1", tokenizer=tokenizer, length=1024, num_examples=1
+    )
     assert e == plain and truncating.truncation["max_length"] == 64
 
 
@@ -266,7 +287,7 @@ def test_run_averages_lengths(setup):
 
 def test_bad_arguments_name_the_value(setup, tmp_path):
     tokenizer, _ = setup
-    gen = lambda task="vt", **kw: ruler.generate(  # noqa: E731
+    gen = lambda task="vt", **kw: ruler_tasks.generate(  # noqa: E731
         task, tokenizer=tokenizer, **{"length": 1024, "num_examples": 1, **kw}
     )
     with pytest.raises(ValueError, match=r"unknown RULER task 'niah'; known tasks: niah_single_1"):

@@ -23,10 +23,13 @@ L, D_CONV, CHUNK, SHARDS = 1024, 4, 8, 2
 def _step_collectives(n_layer: int, sparse: str) -> list[tuple[str, str]]:
     """(kind, result shape) of every collective of the step under data x seq = 1 x 2."""
     cfg = ModelConfig(
-        d_model=40, n_layer=n_layer, vocab_size=48, block_pattern=("mamba2",),
+        d_model=40,
+        n_layer=n_layer,
+        vocab_size=48,
+        block_pattern=("mamba2",),
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=CHUNK, d_conv=D_CONV),
         sparse=SparseConfig(pattern=sparse, num_keys=16, hash_bits=3, max_len=L),
-    )  # fmt: skip
+    )
     return step_collectives(cfg, MeshConfig(data=1, seq=SHARDS, tensor=1), 1, L, P(None, "seq"))
 
 

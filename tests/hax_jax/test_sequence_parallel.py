@@ -156,13 +156,19 @@ def test_attention_mixers(model, mesh_sizes):
 @pytest.mark.parametrize(
     "kind, settings, message",
     [
-        ("swa", dict(attention=AttentionConfig(n_heads=2, window=12)),
-         "holds 8 positions, fewer than attention.window - 1 = 11"),
-        ("infini", dict(infini=InfiniConfig(n_heads=2, segment_len=16)),
-         "holds 8 positions, not a whole number of segments .infini.segment_len=16."),
+        (
+            "swa",
+            dict(attention=AttentionConfig(n_heads=2, window=12)),
+            "holds 8 positions, fewer than attention.window - 1 = 11",
+        ),
+        (
+            "infini",
+            dict(infini=InfiniConfig(n_heads=2, segment_len=16)),
+            "holds 8 positions, not a whole number of segments .infini.segment_len=16.",
+        ),
     ],
     ids=["swa", "infini"],
-)  # fmt: skip
+)
 def test_shards_too_short_for_the_mixer(kind, settings, message):
     """A window's history spanning several shards, or a segment cut by a shard, is an error."""
     cfg = dataclasses.replace(_cfg((kind,)), **settings)

@@ -34,7 +34,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 
 def _cfg(pattern: tuple[str, ...], sparse: str = "", **kw) -> ModelConfig:
-    """A tiny LM (d_model 64) with small heads, chunks, windows and segments so l = 64 spans several."""
+    """A tiny LM (d_model 64) with small heads, chunks, windows and segments so l = 64 spans
+    several."""
     return ModelConfig(
         d_model=64,
         n_layer=len(pattern),
@@ -62,7 +63,8 @@ def test_every_param_has_logical_axes():
     state = nnx.state(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     flat = nnx.to_flat_state(state)
     names = {"/".join(map(str, path)) for path, _ in flat}
-    # The sparse branch with its scorer sits in the mamba and the mamba2 layer; the head is separate.
+    # The sparse branch with its scorer sits in the mamba and the mamba2 layer; the head is
+    # separate.
     for must in (
         "layers/0/mixer/branch/scorer/fc3/kernel",
         "layers/1/mixer/branch/E",
@@ -77,8 +79,13 @@ def test_every_param_has_logical_axes():
     # The pure-dict form (the training code's params) maps path for path.
     axes_dict = sharding.logical_axes_dict(state)
     in_proj = axes_dict["layers"][1]["mixer"]["in_proj"]["kernel"]  # mamba2: stored per part
-    assert in_proj == {"z": ("embed", "inner"), "x": ("embed", "inner"), "dt": ("embed", "heads"),
-                       "B": ("embed", "groups", "state"), "C": ("embed", "groups", "state")}  # fmt: skip
+    assert in_proj == {
+        "z": ("embed", "inner"),
+        "x": ("embed", "inner"),
+        "dt": ("embed", "heads"),
+        "B": ("embed", "groups", "state"),
+        "C": ("embed", "groups", "state"),
+    }
     assert jax.tree.structure(nnx.to_pure_dict(state)) == jax.tree.structure(
         sharding.param_shardings_dict(state, sharding.make_mesh(MeshConfig(), CPUS))
     )
@@ -161,7 +168,10 @@ def test_params_are_placed_sharded(mesh, fsdp):
     assert placed["norm_f"]["weight"].sharding.spec == P(embed)
     # Really split: each device holds half of the x part's output columns.
     x_part = mixer["in_proj"]["kernel"]["x"]
-    assert x_part.addressable_shards[0].data.shape == (64 // (2 if fsdp else 1), x_part.shape[1] // 2)
+    assert x_part.addressable_shards[0].data.shape == (
+        64 // (2 if fsdp else 1),
+        x_part.shape[1] // 2,
+    )
     # The State form gives the same shardings.
     state_shardings = sharding.param_shardings(
         nnx.state(model, nnx.Param), mesh, sharding.rules(fsdp)
@@ -238,4 +248,6 @@ def test_sharded_loss_and_grads_equal_single_device(mesh, kind):
     # The gradients come back laid out like the parameters.
     in_proj = "in_proj" if "mamba" in kind else None
     if in_proj:
-        assert grads["layers"][0]["mixer"][in_proj]["kernel"]["x"].sharding.spec == P(None, "tensor")
+        assert grads["layers"][0]["mixer"][in_proj]["kernel"]["x"].sharding.spec == P(
+            None, "tensor"
+        )

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_runs import TINY_JOINT_RECALL
 
 from hax_jax import sweep
 
@@ -16,13 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs/joint_recall.py")
 # Seconds-long runs: joint recall of up to 2 x 2 tables (37 positions), 16 valid and test examples.
 TINY = [
-    "data.batch_size=8",
-    "data.joint_recall.max_n_context=2",
-    "data.joint_recall.max_n_key=2",
-    "data.joint_recall.n_context=(1,2)",
-    "data.joint_recall.n_key=(1,2)",
-    "data.joint_recall.valid_size=16",
-    "model.sparse.max_len=38",
+    *TINY_JOINT_RECALL,
     "model.mamba2.chunk_size=16",
     "train.log_every=1",
     "train.eval_every=2",

@@ -21,11 +21,14 @@ RESIDUAL = (B, L, D)
 
 def _arrays(kind: str, n_layer: int, *, groups: int = 1, sparse: str = ""):
     cfg = ModelConfig(
-        d_model=D, n_layer=n_layer, vocab_size=VOCAB, block_pattern=(kind,),
-        mamba=MambaConfig(d_state=N), mamba2=Mamba2Config(d_state=N, headdim=8, chunk_size=8,
-                                                          ngroups=groups),
+        d_model=D,
+        n_layer=n_layer,
+        vocab_size=VOCAB,
+        block_pattern=(kind,),
+        mamba=MambaConfig(d_state=N),
+        mamba2=Mamba2Config(d_state=N, headdim=8, chunk_size=8, ngroups=groups),
         sparse=SparseConfig(pattern=sparse, num_keys=16, hash_bits=3, max_len=L),
-    )  # fmt: skip
+    )
     return arrays(step_collectives(cfg, MeshConfig(data=1, seq=1, tensor=2), B, L, P()))
 
 

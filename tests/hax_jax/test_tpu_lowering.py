@@ -6,41 +6,31 @@ mixers with the HAX branch. The Pallas kernels' own TPU lowering is tested in te
 """
 
 import jax
-import optax
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hax_jax import sharding
 from hax_jax.config import Mamba2Config, MambaConfig, MeshConfig, ModelConfig, SparseConfig
-from hax_jax.models.lm import LanguageModel, rank_loss_sum
+from tests.support.collectives import sharded_step
 
 
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_the_sharded_step_lowers_for_tpu(fsdp):
     cfg = ModelConfig(
-        d_model=64, n_layer=2, vocab_size=96, block_pattern=("mamba2", "mamba"),
-        mamba=MambaConfig(d_state=8), mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8,
-                                                          ngroups=2),
+        d_model=64,
+        n_layer=2,
+        vocab_size=96,
+        block_pattern=("mamba2", "mamba"),
+        mamba=MambaConfig(d_state=8),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8, ngroups=2),
         sparse=SparseConfig(pattern="lsh+ks", num_keys=16, hash_bits=3, max_len=256),
-    )  # fmt: skip
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
-
-    def loss(params, tokens):
-        model = nnx.merge(graphdef, params)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
-        return ce + rank_loss_sum(sown)
-
-    mesh = sharding.make_mesh(MeshConfig(data=2, seq=2, tensor=2, fsdp=fsdp), jax.devices("cpu"))
-    shardings = sharding.param_shardings(state, mesh, sharding.rules(fsdp))
-    params = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
     )
-    tokens = jax.ShapeDtypeStruct((4, 256), "int32", sharding=NamedSharding(mesh, P("data", "seq")))
+    mesh_cfg = MeshConfig(data=2, seq=2, tensor=2, fsdp=fsdp)
+    step, params, tokens, mesh = sharded_step(
+        cfg, mesh_cfg, 4, 256, P("data", "seq"), sharding.rules(fsdp)
+    )
     with jax.set_mesh(mesh):
-        traced = jax.jit(jax.value_and_grad(loss)).trace(params, tokens)
+        traced = step.trace(params, tokens)
         text = traced.lower(lowering_platforms=("tpu",)).as_text()
     assert "sdy.manual_computation" in text  # the ops per device (shard_map)
     assert "stablehlo.collective_permute" in text  # the conv halo between sequence shards

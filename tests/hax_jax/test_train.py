@@ -1,4 +1,5 @@
-"""train.py end to end: exact resume, sharded == single device, NaN stop, SIGTERM, init_from, errors."""
+"""train.py end to end: exact resume, sharded == single device, NaN stop, SIGTERM, init_from,
+errors."""
 
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from tiny_runs import TINY_JOINT_RECALL
 
 import hax_jax
 from hax_jax import config as config_lib
@@ -29,13 +31,7 @@ SMALL = [
     "model.d_model=32",
     "model.mamba2.headdim=16",
     "model.mamba2.d_state=16",
-    "data.batch_size=8",
-    "data.joint_recall.max_n_context=2",
-    "data.joint_recall.max_n_key=2",
-    "data.joint_recall.n_context=(1,2)",
-    "data.joint_recall.n_key=(1,2)",
-    "data.joint_recall.valid_size=16",
-    "model.sparse.max_len=38",
+    *TINY_JOINT_RECALL,
     "model.sparse.num_keys=8",
     "train.progress=false",
     "optim.warmup_steps=5",
@@ -118,7 +114,8 @@ def _sharded_run(tmp_path, name, mesh, extra):
 
 
 def _pretrained_without_branch(argv: list[str], path: Path, seed: int) -> hax_jax.LanguageModel:
-    """Saves (and returns) a model of argv's model config with no sparse branch, as a released one."""
+    """Saves (and returns) a model of argv's model config with no sparse branch, as a released
+    one."""
     cfg = config_lib.apply_overrides(
         config_lib.load_config_file(argv[0]),
         [o for o in argv[1:] if o.startswith("model.")] + ["model.sparse.pattern="],
@@ -194,7 +191,10 @@ def test_init_from_loads_the_pretrained_parameters(tmp_path):
     assert "branch" in state.params["layers"][0]["mixer"]  # the HAX branch is new: kept at its init
     with pytest.raises(
         ValueError,
-        match=r"does not match the model: embedding/embedding has shape \(100, 32\) there, \(100, 64\)",
+        match=(
+            r"does not match the model: "
+            r"embedding/embedding has shape \(100, 32\) there, \(100, 64\)"
+        ),
     ):
         train.main(
             [
@@ -229,7 +229,8 @@ def test_a_workdir_of_another_model_is_refused(tmp_path):
 
 
 def test_init_from_a_mamba_starts_the_hax_qk_projection_from_b_and_c(tmp_path):
-    # HAX App. D.2: the query/key projection of the new branch starts as the SSM's C / B projections.
+    # HAX App. D.2: the query/key projection of the new branch starts as the SSM's C / B
+    # projections.
     argv = [*SMALL, "model.block_pattern=mamba", "model.mamba.dt_rank=2"]
     pretrained = _pretrained_without_branch(argv, tmp_path / "pre", seed=3)
     trainer = _trainer([*argv, f"train.init_from={tmp_path / 'pre'}"], tmp_path / "w")

@@ -184,9 +184,15 @@ def test_indexed_attention_selects_by_the_paper_buckets(binning, l, h, seed):
     assert_well_posed(k, hash_proj)
     v = jnp.broadcast_to(jnp.eye(l, dtype=jnp.float32), (B_, l, l))
     o = sparse_attention(
-        jnp.asarray(q), jnp.asarray(k), v, pattern="lsh", num_keys=kc,
-        hash_proj=jnp.asarray(hash_proj), binning=binning, impl="indexed",
-    )  # fmt: skip
+        jnp.asarray(q),
+        jnp.asarray(k),
+        v,
+        pattern="lsh",
+        num_keys=kc,
+        hash_proj=jnp.asarray(hash_proj),
+        binning=binning,
+        impl="indexed",
+    )
     bucket_q, bucket_k = (paper_buckets(x, hash_proj, binning) for x in (q, k))
     want = paper_selection(bucket_q, bucket_k, kc)
     np.testing.assert_array_equal(np.asarray(o) > 0, want)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_checks import largest_array
+from kernel_checks import largest_array, selective_scan_inputs
 
 from pallas_kernels.selective_scan import selective_scan, selective_scan_reference
 
@@ -14,23 +14,6 @@ jax.config.update("jax_enable_x64", False)
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
 FD_TOL = dict(atol=1e-7, rtol=1e-6)  # float64 central differences, eps = 1e-6
-
-
-def make_inputs(b, l, d, n, seed=0, dtype=jnp.float32):
-    """Random S6 inputs (numpy RNG: no per-op compiles): positive dt, negative A, all options."""
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
-    inputs = dict(
-        x=normal(b, l, d),
-        dt=np.log1p(np.exp(normal(b, l, d) - 1.0)),  # softplus
-        A=-np.exp(normal(d, n)),
-        B=normal(b, l, n),
-        C=normal(b, l, n),
-        D=normal(d),
-        z=normal(b, l, d),
-        initial_state=normal(b, d, n),
-    )
-    return {k: jnp.asarray(v, dtype) for k, v in inputs.items()}
 
 
 def call(inputs, **kwargs):
@@ -57,7 +40,7 @@ def assert_close(actual, desired, tol):
 )
 def test_associative_matches_reference(shape, chunk_size, optional):
     """y and final state of the associative path equal the sequential definition."""
-    inputs = make_inputs(*shape)
+    inputs = selective_scan_inputs(*shape)
     for name in ("D", "z", "initial_state"):
         if name not in optional:
             inputs[name] = None
@@ -87,7 +70,7 @@ def _loss_grads(impl, inputs, seed=1):
 
 def test_gradients_match_reference():
     """Autodiff through the associative path equals autodiff through the definition."""
-    inputs = make_inputs(2, 19, 3, 4, seed=2)
+    inputs = selective_scan_inputs(2, 19, 3, 4, seed=2)
     g_ref = _loss_grads("reference", inputs)
     g = _loss_grads("associative", inputs)
     for name in inputs:
@@ -98,7 +81,9 @@ def test_gradients_match_reference():
 def test_reference_gradient_matches_finite_differences():
     """Reference gradients equal float64 central differences along random directions."""
     with jax.enable_x64(True):
-        inputs = {k: v.astype(jnp.float64) for k, v in make_inputs(1, 5, 2, 3, seed=3).items()}
+        inputs = {
+            k: v.astype(jnp.float64) for k, v in selective_scan_inputs(1, 5, 2, 3, seed=3).items()
+        }
         rng = np.random.default_rng(4)
         w = rng.standard_normal((1, 5, 2))
 
@@ -110,7 +95,7 @@ def test_reference_gradient_matches_finite_differences():
 
         grads = jax.grad(loss)(inputs)
         eps = 1e-6
-        for i, name in enumerate(inputs):
+        for name in inputs:
             v = rng.standard_normal(inputs[name].shape)
             plus = dict(inputs, **{name: inputs[name] + eps * v})
             minus = dict(inputs, **{name: inputs[name] - eps * v})
@@ -120,7 +105,7 @@ def test_reference_gradient_matches_finite_differences():
 
 def test_split_and_carry_equals_whole():
     """Scanning two halves, carrying final_state -> initial_state, equals one scan."""
-    inputs = make_inputs(2, 37, 5, 4, seed=5)
+    inputs = selective_scan_inputs(2, 37, 5, 4, seed=5)
     y, h = call(inputs, chunk_size=8, return_final_state=True)
     seq = ("x", "dt", "B", "C", "z")
     first = {k: (v[:, :20] if k in seq else v) for k, v in inputs.items()}
@@ -134,7 +119,7 @@ def test_split_and_carry_equals_whole():
 
 def test_padding_does_not_leak_into_final_state():
     """Chunk padding (dt = 0) leaves the final state exactly as one unpadded chunk gives."""
-    inputs = make_inputs(1, 13, 3, 2, seed=6)
+    inputs = selective_scan_inputs(1, 13, 3, 2, seed=6)
     _, h_pad = call(inputs, chunk_size=8, return_final_state=True)  # pads 13 -> 16
     _, h_one = call(inputs, chunk_size=13, return_final_state=True)  # no padding
     assert_close(h_pad, h_one, TOL[jnp.float32])
@@ -142,7 +127,7 @@ def test_padding_does_not_leak_into_final_state():
 
 def test_bf16_inputs_match_fp32_reference():
     """bf16 inputs compute in fp32: y (bf16) and final state (fp32) match the fp32 reference."""
-    inputs = make_inputs(2, 37, 5, 4, seed=7, dtype=jnp.bfloat16)
+    inputs = selective_scan_inputs(2, 37, 5, 4, seed=7, dtype=jnp.bfloat16)
     y, h = call(inputs, chunk_size=8, return_final_state=True)
     assert y.dtype == jnp.bfloat16 and h.dtype == jnp.float32
     up = {k: v.astype(jnp.float32) for k, v in inputs.items()}
@@ -154,7 +139,7 @@ def test_bf16_inputs_match_fp32_reference():
 def test_backward_never_materializes_full_state_sequence():
     """Forward + backward keep at most (b, chunk, d, n) states, never (b, l, d, n)."""
     b, l, d, n = 1, 512, 4, 4
-    inputs = make_inputs(b, l, d, n, seed=8)
+    inputs = selective_scan_inputs(b, l, d, n, seed=8)
 
     def loss(inp):
         """Sum of outputs and final state."""
@@ -181,7 +166,7 @@ def test_backward_never_materializes_full_state_sequence():
 )
 def test_bad_inputs_raise(name, bad, match):
     """Shape or dtype errors raise ValueError naming the offending input."""
-    inputs = make_inputs(2, 7, 3, 2)
+    inputs = selective_scan_inputs(2, 7, 3, 2)
     inputs[name] = bad
     with pytest.raises(ValueError, match=match):
         call(inputs)
@@ -198,4 +183,4 @@ def test_bad_inputs_raise(name, bad, match):
 def test_bad_static_args_raise(kwargs, match):
     """Bad chunk_size or impl raise ValueError naming it."""
     with pytest.raises(ValueError, match=match):
-        call(make_inputs(2, 7, 3, 2), **kwargs)
+        call(selective_scan_inputs(2, 7, 3, 2), **kwargs)

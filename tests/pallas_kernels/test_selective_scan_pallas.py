@@ -12,7 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_checks import COMPILED, assert_close, largest_array
+from kernel_checks import (
+    COMPILED,
+    SCAN_OPTIONAL,
+    assert_close,
+    largest_array,
+    selective_scan_inputs,
+)
 
 from pallas_kernels.backend import lower_for
 from pallas_kernels.selective_scan import BlockSizes, selective_scan
@@ -23,30 +29,11 @@ jax.config.update("jax_enable_x64", False)
 # orders). bf16: outputs and gradients are rounded to bf16 once on each side (1 ulp = 2^-7).
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 GRAD_TOL = {jnp.float32: dict(atol=1e-4, rtol=1e-4), jnp.bfloat16: dict(atol=1e-2, rtol=1e-2)}
-OPTIONAL = ("D", "z", "initial_state")
-
-
-def make_inputs(b, l, d, n, seed=0, dtype=jnp.float32, optional=OPTIONAL):
-    """Random S6 inputs (numpy RNG): positive dt, negative A; optional inputs not named are None."""
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
-    inputs = dict(
-        x=normal(b, l, d),
-        dt=np.log1p(np.exp(normal(b, l, d) - 1.0)),  # softplus
-        A=-np.exp(normal(d, n)),
-        B=normal(b, l, n),
-        C=normal(b, l, n),
-        D=normal(d),
-        z=normal(b, l, d),
-        initial_state=normal(b, d, n),
-    )
-    return {k: (jnp.asarray(v, dtype) if k not in OPTIONAL or k in optional else None)
-            for k, v in inputs.items()}  # fmt: skip
 
 
 def run(inputs, **kwargs):
     """(y, final_state) of selective_scan on a dict of inputs (None entries dropped)."""
-    opt = {k: inputs[k] for k in OPTIONAL if inputs[k] is not None}
+    opt = {k: inputs[k] for k in SCAN_OPTIONAL if inputs[k] is not None}
     pos = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
     return selective_scan(*pos, **opt, return_final_state=True, **kwargs)
 
@@ -86,15 +73,15 @@ def check_against_reference(inputs, dtype, **kwargs):
     "shape, dtype, sizes, optional",
     [
         # l = 37: not a multiple of the chunks; d = 20: not of block_d; n = 5: padded to 8
-        ((2, 37, 20, 5), jnp.float32, BlockSizes(chunk=8, chunk_bwd=4, block_d=8), OPTIONAL),
+        ((2, 37, 20, 5), jnp.float32, BlockSizes(chunk=8, chunk_bwd=4, block_d=8), SCAN_OPTIONAL),
         # no optional input; the backward blocks channels differently from the forward
         ((1, 16, 8, 4), jnp.float32, BlockSizes(chunk=8, block_d_bwd=4), ()),
-        ((2, 21, 12, 16), jnp.bfloat16, BlockSizes(chunk=8, chunk_bwd=4, block_d=4), OPTIONAL),
+        ((2, 21, 12, 16), jnp.bfloat16, BlockSizes(chunk=8, chunk_bwd=4, block_d=4), SCAN_OPTIONAL),
     ],
 )
 def test_gpu_variant_matches_reference(shape, dtype, sizes, optional):
     """The gpu (Triton) kernels, interpreted: values and gradients of every input."""
-    inputs = make_inputs(*shape, dtype=dtype, optional=optional)
+    inputs = selective_scan_inputs(*shape, dtype=dtype, optional=optional)
     check_against_reference(inputs, dtype, variant="gpu", interpret=True, block_sizes=sizes)
 
 
@@ -102,7 +89,9 @@ def test_gpu_bf16_partials_err_like_rounding_twice():
     """bf16 B / C: the gpu backward's dB / dC come from bf16 per-channel-block partials; their
     error against the exact gradient (fp32 reference on the same values) stays under twice
     that of the exact gradient rounded to bf16 (relative rms; measured 1.6x)."""
-    inputs = make_inputs(2, 24, 64, 16, seed=3, dtype=jnp.bfloat16)  # 16 blocks of 4 channels
+    inputs = selective_scan_inputs(
+        2, 24, 64, 16, seed=3, dtype=jnp.bfloat16
+    )  # 16 blocks of 4 channels
     sizes = BlockSizes(chunk=8, chunk_bwd=4, block_d=4)
     dy = jnp.asarray(np.random.default_rng(5).standard_normal((2, 24, 64)), jnp.bfloat16)
 
@@ -125,8 +114,8 @@ def test_gpu_bf16_partials_err_like_rounding_twice():
 
 def test_gpu_variant_without_final_state():
     """return_final_state=False gives the same y (the final-state cotangent is then zero)."""
-    inputs = make_inputs(1, 9, 3, 2, seed=4)
-    opt = {k: inputs[k] for k in OPTIONAL}
+    inputs = selective_scan_inputs(1, 9, 3, 2, seed=4)
+    opt = {k: inputs[k] for k in SCAN_OPTIONAL}
     pos = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
     pallas = functools.partial(selective_scan, impl="pallas", variant="gpu", interpret=True)
     y = pallas(*pos, **opt)
@@ -141,7 +130,7 @@ def test_gpu_variant_without_final_state():
 def test_tpu_variant_matches_reference():
     """The tpu (Mosaic) kernels in TPU interpret mode on a small shape: 20 steps in chunks of
     16 (forward) and 8 (backward), d = 136 in two blocks of 128 lanes, n = 5 padded to 8."""
-    inputs = make_inputs(1, 20, 136, 5, seed=2)
+    inputs = selective_scan_inputs(1, 20, 136, 5, seed=2)
     sizes = BlockSizes(chunk=16, chunk_bwd=8)
     check_against_reference(inputs, jnp.float32, variant="tpu", interpret=True, block_sizes=sizes)
 
@@ -151,8 +140,16 @@ def _realistic_args(b=2, l=2048, d=1536, n=16):
     sds = jax.ShapeDtypeStruct
     bf16, f32 = jnp.bfloat16, jnp.float32
     seq, bc = sds((b, l, d), bf16), sds((b, l, n), bf16)
-    return dict(x=seq, dt=seq, A=sds((d, n), f32), B=bc, C=bc, D=sds((d,), f32), z=seq,
-                initial_state=sds((b, d, n), f32))  # fmt: skip
+    return dict(
+        x=seq,
+        dt=seq,
+        A=sds((d, n), f32),
+        B=bc,
+        C=bc,
+        D=sds((d,), f32),
+        z=seq,
+        initial_state=sds((b, d, n), f32),
+    )
 
 
 @pytest.mark.parametrize("platform, variant", [("cuda", "gpu"), ("tpu", "tpu")])
@@ -204,13 +201,13 @@ def test_no_state_sequence_is_materialized():
 def test_bad_pallas_arguments_raise(kwargs, match):
     """Bad variant or block sizes raise ValueError naming the value."""
     with pytest.raises(ValueError, match=match):
-        run(make_inputs(1, 7, 3, 2), impl="pallas", interpret=True, **kwargs)
+        run(selective_scan_inputs(1, 7, 3, 2), impl="pallas", interpret=True, **kwargs)
 
 
 def test_float64_is_refused():
     """impl='pallas' computes in fp32: a float64 input is an error naming it."""
     with jax.enable_x64(True):
-        inputs = make_inputs(1, 7, 3, 2)
+        inputs = selective_scan_inputs(1, 7, 3, 2)
         inputs["dt"] = inputs["dt"].astype(jnp.float64)
         with pytest.raises(ValueError, match="dt is float64"):
             run(inputs, impl="pallas", interpret=True)
@@ -221,5 +218,5 @@ def test_float64_is_refused():
 def test_compiled_gpu_kernels_match_reference(dtype, monkeypatch):
     """The compiled Triton kernels at (b2, l1024, d512, n16): values and gradients."""
     monkeypatch.setitem(COMPILED, "on", True)
-    inputs = make_inputs(2, 1024, 512, 16, seed=3, dtype=dtype)
+    inputs = selective_scan_inputs(2, 1024, 512, 16, seed=3, dtype=dtype)
     check_against_reference(inputs, dtype, variant="gpu")

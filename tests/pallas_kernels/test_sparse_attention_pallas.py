@@ -12,7 +12,7 @@ from kernel_checks import COMPILED, assert_close
 
 from pallas_kernels.backend import lower_for
 from pallas_kernels.sparse_attention import sparse_attention
-from pallas_kernels.sparse_attention.layout import lsh_layout, tile_schedule
+from pallas_kernels.sparse_attention.tiling import lsh_layout, tile_schedule
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # Forward and gradient tolerances per input dtype. bf16: outputs and gradients are rounded to
@@ -123,9 +123,17 @@ def test_lowers_at_hax_shape(platform, variant):
     def fwd_bwd(q, k, v, hash_proj, key_scores):
         def loss(q, k, v):
             o = sparse_attention(
-                q, k, v, pattern="lsh+ks", num_keys=64, hash_proj=hash_proj,
-                key_scores=key_scores, impl="pallas", variant=variant, interpret=False,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                pattern="lsh+ks",
+                num_keys=64,
+                hash_proj=hash_proj,
+                key_scores=key_scores,
+                impl="pallas",
+                variant=variant,
+                interpret=False,
+            )
             return jnp.sum(o.astype(F32))
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)

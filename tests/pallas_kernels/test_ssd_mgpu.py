@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels.backend import lower_for
 from pallas_kernels.ssd import kernel as triton
 from pallas_kernels.ssd import kernel_mgpu as mgpu
+from pallas_kernels.ssd import pallas
 from pallas_kernels.ssd.tiling import resolve_block_sizes
 
 # Max abs error relative to the largest Triton magnitude. States: both sides multiply the same
@@ -32,7 +33,7 @@ def assert_scaled_close(got, want, tol, name):
 
 
 def prepared(b, l, h, g, n, chunk, seq_idx=None, seed=0, dtype=jnp.bfloat16, p=64):
-    """kernel.Prepared of random inputs like a Mamba-2 layer's (softplus'd dt, negative A)."""
+    """pallas.Prepared of random inputs like a Mamba-2 layer's (softplus'd dt, negative A)."""
     rng = np.random.default_rng(seed)
     normal = lambda *s: rng.standard_normal(s, np.float32)  # noqa: E731
     x = jnp.asarray(normal(b, l, h, p), dtype)
@@ -41,7 +42,7 @@ def prepared(b, l, h, g, n, chunk, seq_idx=None, seed=0, dtype=jnp.bfloat16, p=6
     B, C = (jnp.asarray(normal(b, l, g, n), dtype) for _ in range(2))
     D = jnp.asarray(normal(h))
     sizes = resolve_block_sizes("gpu", chunk, h // g)
-    return triton.Prepared(x, dt, A, B, C, D, seq_idx, chunk, "gpu", sizes)
+    return pallas.Prepared(x, dt, A, B, C, D, seq_idx, chunk, "gpu", sizes)
 
 
 def states_both(prep, interpret):
@@ -67,7 +68,7 @@ def test_chunk_outputs_interpreted():
     seq_idx = jnp.asarray(np.repeat([0, 1], [300, 212])[None].astype(np.int32))
     prep = prepared(1, 512, 8, 2, 64, 256, seq_idx=seq_idx)
     S = triton.chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=True)
-    h_in, _ = triton.pass_states(prep, S, triton.pad_state(prep, None), True)
+    h_in, _ = triton.pass_states(prep, S, pallas.pad_state(prep, None), True)
     want = triton.chunk_outputs(prep, h_in, interpret=True)
     got = mgpu.chunk_outputs_mgpu(prep, h_in, interpret=True)
     assert got.dtype == want.dtype
@@ -106,14 +107,20 @@ def test_lowers_for_cuda():
     """Both kernels lower to Mosaic GPU at an issue-like shape (no GPU needed with jax 0.10)."""
     S = jax.ShapeDtypeStruct
     b, l, h, p, n = 2, 1024, 8, 64, 128
-    args = (S((b, l, h, p), jnp.bfloat16), S((b, l, h), jnp.float32), S((h,), jnp.float32),
-            S((b, l, 1, n), jnp.bfloat16), S((b, l, 1, n), jnp.bfloat16), S((h,), jnp.float32))  # fmt: skip
+    args = (
+        S((b, l, h, p), jnp.bfloat16),
+        S((b, l, h), jnp.float32),
+        S((h,), jnp.float32),
+        S((b, l, 1, n), jnp.bfloat16),
+        S((b, l, 1, n), jnp.bfloat16),
+        S((h,), jnp.float32),
+    )
     sizes = resolve_block_sizes("gpu", 256, h)
 
     def forward(x, dt, A, B, C, D):
-        prep = triton.Prepared(x, dt, A, B, C, D, None, 256, "gpu", sizes)
+        prep = pallas.Prepared(x, dt, A, B, C, D, None, 256, "gpu", sizes)
         S_ = mgpu.chunk_states_mgpu(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=False)
-        h_in, _ = triton.pass_states(prep, S_, triton.pad_state(prep, None), False)
+        h_in, _ = triton.pass_states(prep, S_, pallas.pad_state(prep, None), False)
         return mgpu.chunk_outputs_mgpu(prep, h_in, interpret=False)
 
     try:
@@ -153,6 +160,6 @@ def test_compiled_matches_triton(g, documents):
     prep = prepared(b, l, h, g, n, 256, seq_idx=seq_idx)
     want, got = states_both(prep, interpret=None)
     assert_scaled_close(got, want, STATE_TOL, "states")
-    h_in, _ = triton.pass_states(prep, want, triton.pad_state(prep, None))
+    h_in, _ = triton.pass_states(prep, want, pallas.pad_state(prep, None))
     want_y = triton.chunk_outputs(prep, h_in)
     assert_scaled_close(mgpu.chunk_outputs_mgpu(prep, h_in), want_y, OUT_TOL, "y")

@@ -45,9 +45,13 @@ def value_and_grads(inputs, cotangents, seq_idx, **kw):
     def f(*args):
         named = dict(zip(NAMES, args))
         return ssd(
-            *args[:5], D=named["D"], initial_state=named["initial_state"], seq_idx=seq_idx,
-            return_final_state=True, **kw,
-        )  # fmt: skip
+            *args[:5],
+            D=named["D"],
+            initial_state=named["initial_state"],
+            seq_idx=seq_idx,
+            return_final_state=True,
+            **kw,
+        )
 
     def both(*args):
         out, vjp = jax.vjp(f, *args)
@@ -80,9 +84,15 @@ def test_gpu_variant_interpreted(g, seq, dtype):
     seq_idx = jnp.asarray(SEQ_IDX) if seq else None
     ref = value_and_grads(inputs, cts, seq_idx, chunk_size=16, impl="chunked")
     got = value_and_grads(
-        inputs, cts, seq_idx, chunk_size=16, impl="pallas", variant="gpu",
-        block_sizes=BlockSizes(tile=8, tile_bwd=8, heads_per_block=2), interpret=True,
-    )  # fmt: skip
+        inputs,
+        cts,
+        seq_idx,
+        chunk_size=16,
+        impl="pallas",
+        variant="gpu",
+        block_sizes=BlockSizes(tile=8, tile_bwd=8, heads_per_block=2),
+        interpret=True,
+    )
     assert_matches(flat(got), flat(ref), dtype)
 
 
@@ -94,9 +104,14 @@ def test_mosaic_gpu_kernels_interpreted():
     seq_idx = jnp.asarray(np.repeat([0, 1], [90, 110])[None].astype(np.int32))
     ref = value_and_grads(inputs, cts, seq_idx, chunk_size=128, impl="chunked")
     got = value_and_grads(
-        inputs, cts, seq_idx, chunk_size=128, impl="pallas", variant="gpu",
+        inputs,
+        cts,
+        seq_idx,
+        chunk_size=128,
+        impl="pallas",
+        variant="gpu",
         block_sizes=BlockSizes(mosaic_gpu=True),
-    )  # fmt: skip
+    )
     assert_matches(flat(got), flat(ref), jnp.bfloat16)
 
 
@@ -115,15 +130,29 @@ def test_lowers_for_hardware(variant, platform):
     """Forward and backward lower for the real compilers at a Mamba-2 130M-like shape."""
     S = jax.ShapeDtypeStruct
     b, l, h, p, n = 2, 3072, 8, 64, 128
-    args = (S((b, l, h, p), jnp.bfloat16), S((b, l, h), jnp.float32), S((h,), jnp.float32),
-            S((b, l, 1, n), jnp.bfloat16), S((b, l, 1, n), jnp.bfloat16))  # fmt: skip
+    args = (
+        S((b, l, h, p), jnp.bfloat16),
+        S((b, l, h), jnp.float32),
+        S((h,), jnp.float32),
+        S((b, l, 1, n), jnp.bfloat16),
+        S((b, l, 1, n), jnp.bfloat16),
+    )
 
     def loss(x, dt, A, B, C):
         y, final = ssd(
-            x, dt, A, B, C, chunk_size=256, D=jnp.ones((h,)), return_final_state=True,
-            seq_idx=jnp.zeros((b, l), jnp.int32), impl="pallas", variant=variant,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size=256,
+            D=jnp.ones((h,)),
+            return_final_state=True,
+            seq_idx=jnp.zeros((b, l), jnp.int32),
+            impl="pallas",
+            variant=variant,
             interpret=False,
-        )  # fmt: skip
+        )
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     text = lower_for(platform, jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
@@ -142,15 +171,25 @@ def test_bad_inputs_are_named():
     with pytest.raises(
         ValueError, match="heads_per_block must divide the heads per group = 2, got 4"
     ):
-        ssd(*pos, chunk_size=16, impl="pallas", variant="gpu",
-            block_sizes=BlockSizes(heads_per_block=4))  # fmt: skip
+        ssd(
+            *pos,
+            chunk_size=16,
+            impl="pallas",
+            variant="gpu",
+            block_sizes=BlockSizes(heads_per_block=4),
+        )
     with pytest.raises(ValueError, match="block_sizes.num_warps must be a positive int, got 0"):
         ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(num_warps=0))
     with pytest.raises(ValueError, match="block_sizes.mosaic_gpu must be None or a bool, got 1"):
         ssd(*pos, chunk_size=16, impl="pallas", block_sizes=BlockSizes(mosaic_gpu=1))
     with pytest.raises(ValueError, match="mosaic_gpu=True needs the gpu variant, got 'tpu'"):
-        ssd(*pos, chunk_size=16, impl="pallas", variant="tpu",
-            block_sizes=BlockSizes(mosaic_gpu=True))  # fmt: skip
+        ssd(
+            *pos,
+            chunk_size=16,
+            impl="pallas",
+            variant="tpu",
+            block_sizes=BlockSizes(mosaic_gpu=True),
+        )
     with pytest.raises(ValueError, match="mosaic_gpu=True: .*bf16 or f16 matmul inputs"):
         ssd(*pos, chunk_size=128, impl="pallas", block_sizes=BlockSizes(mosaic_gpu=True))
     with pytest.raises(ValueError, match="variant must be one of .* got 'cuda'"):
@@ -179,8 +218,12 @@ def test_compiled_on_gpu(dtype, mosaic_gpu):
     assert_matches(flat(got), flat(ref), dtype)
     text = jax.jit(lambda x: ssd(x, *(inputs[k] for k in NAMES[1:5]), seq_idx=seq_idx, **kw))
     text = text.lower(inputs["x"]).as_text()
-    expect_mgpu = (kernel_mgpu.on_hopper() and dtype == jnp.bfloat16 and mosaic_gpu is None
-                   and not custom_calls_in_cuda_graphs())  # fmt: skip
+    expect_mgpu = (
+        kernel_mgpu.on_hopper()
+        and dtype == jnp.bfloat16
+        and mosaic_gpu is None
+        and not custom_calls_in_cuda_graphs()
+    )
     assert ("mosaic_gpu" in text) == expect_mgpu
 
 

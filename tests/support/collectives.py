@@ -1,4 +1,5 @@
-"""The collectives of a compiled LM training step (loss + gradients), read from optimized HLO."""
+"""The LM training step (loss + gradients) on abstract sharded inputs, and the collectives of its
+compiled program, read from optimized HLO."""
 
 import re
 
@@ -19,11 +20,16 @@ COLLECTIVE = re.compile(
 ARRAY = re.compile(r"\w+\[([\d,]*)\]")
 
 
-def step_collectives(
-    cfg: ModelConfig, mesh_cfg: MeshConfig, batch: int, length: int, tokens_spec: P
-) -> list[tuple[str, str]]:
-    """(kind, result shape) of every collective in the compiled value_and_grad of the LM loss
-    (with the ranking loss of a sparse branch) on the simulated CPU devices."""
+def sharded_step(
+    cfg: ModelConfig,
+    mesh_cfg: MeshConfig,
+    batch: int,
+    length: int,
+    tokens_spec: P,
+    rules: sharding.Rules = sharding.RULES,
+):
+    """(jitted value_and_grad of the LM loss with the ranking loss of a sparse branch, abstract
+    params and tokens placed on the simulated CPU devices' mesh, the mesh)."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
 
     def loss(params, tokens):
@@ -36,13 +42,21 @@ def step_collectives(
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         state,
-        sharding.param_shardings(state, mesh),
+        sharding.param_shardings(state, mesh, rules),
     )
     tokens = jax.ShapeDtypeStruct(
         (batch, length), "int32", sharding=NamedSharding(mesh, tokens_spec)
     )
+    return jax.jit(jax.value_and_grad(loss)), params, tokens, mesh
+
+
+def step_collectives(
+    cfg: ModelConfig, mesh_cfg: MeshConfig, batch: int, length: int, tokens_spec: P
+) -> list[tuple[str, str]]:
+    """(kind, result shape) of every collective in the compiled `sharded_step`."""
+    step, params, tokens, mesh = sharded_step(cfg, mesh_cfg, batch, length, tokens_spec)
     with jax.set_mesh(mesh):
-        hlo = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().as_text()
+        hlo = step.lower(params, tokens).compile().as_text()
     return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
 
 

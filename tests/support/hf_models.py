@@ -1,4 +1,5 @@
-"""Tiny random transformers Mamba / Mamba-2 models, the references of the conversion and eval tests."""
+"""Tiny random transformers Mamba / Mamba-2 models, the references of the conversion and eval
+tests."""
 
 import inspect
 
@@ -35,7 +36,8 @@ def hf_mamba(tmp_path, *, conv=4, tie=True, bias=False, vocab=64, seed=0):
 
 
 def hf_groups_its_norm() -> bool:
-    """Whether this transformers' Mamba2 gated RMSNorm is grouped like mamba_ssm's (fixed after 5.17)."""
+    """Whether this transformers' Mamba2 gated RMSNorm is grouped like mamba_ssm's (fixed after
+    5.17)."""
     from transformers.models.mamba2 import modeling_mamba2
 
     return "group_size" in inspect.signature(modeling_mamba2.MambaRMSNormGated.__init__).parameters

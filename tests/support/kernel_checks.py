@@ -1,6 +1,7 @@
 """Checks shared by the kernel tests: closeness (elementwise, or to the array's scale when
-compiled on a GPU) and the largest array a jaxpr produces."""
+compiled on a GPU), the largest array a jaxpr produces, and the selective scan's random inputs."""
 
+import jax.numpy as jnp
 import numpy as np
 
 # Set (monkeypatch.setitem) by the tests that run compiled on a GPU: the GPU sums in another
@@ -32,3 +33,27 @@ def largest_array(jaxpr):
                 if hasattr(sub, "eqns"):
                     biggest = max(biggest, largest_array(sub))
     return biggest
+
+
+SCAN_OPTIONAL = ("D", "z", "initial_state")
+
+
+def selective_scan_inputs(b, l, d, n, seed=0, dtype=jnp.float32, optional=SCAN_OPTIONAL):
+    """Random S6 inputs (numpy RNG: no per-op compiles): positive dt, negative A; optional inputs
+    not named in `optional` are None."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
+    inputs = dict(
+        x=normal(b, l, d),
+        dt=np.log1p(np.exp(normal(b, l, d) - 1.0)),  # softplus
+        A=-np.exp(normal(d, n)),
+        B=normal(b, l, n),
+        C=normal(b, l, n),
+        D=normal(d),
+        z=normal(b, l, d),
+        initial_state=normal(b, d, n),
+    )
+    return {
+        k: (jnp.asarray(v, dtype) if k not in SCAN_OPTIONAL or k in optional else None)
+        for k, v in inputs.items()
+    }

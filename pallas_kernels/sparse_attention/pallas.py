@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from . import kernel
-from .layout import EMPTY_POS, KsLayout, LshLayout, Schedule, ks_layout, lsh_layout, tile_schedule
 from .reference import running_buckets
+from .tiling import EMPTY_POS, KsLayout, LshLayout, Schedule, ks_layout, lsh_layout, tile_schedule
 
 SUPPORTED_PATTERNS = ("lsh", "ks", "lsh+ks")
 F32 = jnp.float32
@@ -169,9 +169,18 @@ def backward(q, k, v, lay, o, lse, do, *, kc, cfg):
         lsh = lay.lsh
         qperm, kperm = lsh.query_perm, lsh.key_perm
         dq_parts, dk_parts, dv_lsh = kernel.lsh_backward(
-            _rows(qp, qperm), _rows(kp, kperm), vp, lsh.lo[..., None], lsh.hi[..., None],
-            _rows(lse, qperm), _rows(delta, qperm), do_p, lsh, lay.schedule, cfg=cfg,
-        )  # fmt: skip
+            _rows(qp, qperm),
+            _rows(kp, kperm),
+            vp,
+            lsh.lo[..., None],
+            lsh.hi[..., None],
+            _rows(lse, qperm),
+            _rows(delta, qperm),
+            do_p,
+            lsh,
+            lay.schedule,
+            cfg=cfg,
+        )
         sched, blocks = lay.schedule, cfg[0]
         dq_s = _segment_sum(dq_parts, sched.pair_block, length // blocks.block_q)
         dk_s = _segment_sum(dk_parts, sched.pair_tile, length // blocks.block_k)
@@ -182,8 +191,11 @@ def backward(q, k, v, lay, o, lse, do, *, kc, cfg):
         dq_ks, dk_own, dv_own, dk_pre, dv_pre = kernel.ks_backward(
             qp, kp, vp, _ks_args(kp, vp, lay, kc), lse, delta, do_p, cfg=cfg
         )
-        pos = jnp.pad(lay.ks.prefix_pos, [(0, 0), (0, 0), (0, dk_pre.shape[2] - kc)],
-                      constant_values=EMPTY_POS)  # fmt: skip
+        pos = jnp.pad(
+            lay.ks.prefix_pos,
+            [(0, 0), (0, 0), (0, dk_pre.shape[2] - kc)],
+            constant_values=EMPTY_POS,
+        )
         dq += dq_ks
         dk = _scatter_add(dk + dk_own, dk_pre, pos)
         dv = _scatter_add(dv + dv_own, dv_pre, pos)
