@@ -81,10 +81,12 @@ def token_file(directory: Path, vocab_size: int, seq_len: int) -> str:
     return str(path)
 
 
-def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0, collectives=False) -> dict:
+def measure(
+    name, steps, scratch: Path, e2e=True, extra=(), profile=0, collectives=False, hlo_dir=""
+) -> dict:
     """Pure-step and end-to-end throughput of one case, with `extra` overrides; `profile` > 0
     prints that many of GPU 0's costliest kernels in a step; `collectives` prints the compiled
-    step's collectives."""
+    step's collectives; `hlo_dir` receives the compiled step's optimized HLO (<case>.hlo.txt)."""
     argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], *extra, "train.progress=false"]
     if name.startswith("lm_"):
         seq_len = train.resolve_config(argv).data.seq_len
@@ -97,8 +99,11 @@ def measure(name, steps, scratch: Path, e2e=True, extra=(), profile=0, collectiv
         trainer = train.Trainer(cfg, workdir, mesh)
         batch = trainer.batch(next(trainer.iterator))
         state = trainer.state
-        if collectives:
+        if collectives or hlo_dir:
             hlo = trainer.step_fn.lower(state, batch).compile().as_text()
+        if hlo_dir:
+            (Path(hlo_dir) / f"{name}.hlo.txt").write_text(hlo)
+        if collectives:
             print(f"collectives of one {name} step ({' '.join(extra)}):")
             for kind, (count, size) in timing.collectives_by_kind(hlo).items():
                 print(f"  {kind:20s} {count:5d}  {size / 2**20:10.2f} MiB")
@@ -168,6 +173,7 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every case")
     parser.add_argument("--profile", type=int, default=0, help="print this many top GPU kernels")
     parser.add_argument("--collectives", action="store_true", help="list the step's collectives")
+    parser.add_argument("--hlo-dir", default="", help="write each step's optimized HLO here")
     args = parser.parse_args()
     device = jax.devices()[0]
     header = (
@@ -188,6 +194,7 @@ def main() -> None:
                 extra=args.set,
                 profile=args.profile,
                 collectives=args.collectives,
+                hlo_dir=args.hlo_dir,
             )
             rows.append(
                 f"| {r['case']} | `{r['config']}` | {r['batch']} | {r['compile_s']:.1f} | "
