@@ -130,10 +130,18 @@ class Mamba2Config:
     bias: bool = False  # bias in in_proj and out_proj
     chunk_size: int = 256  # SSD chunk length Q (any sequence length works; padded internally)
     ssd_impl: Literal["auto", "reference", "chunked", "pallas"] = "auto"  # auto: Pallas on GPU
+    # The Pallas SSD's chunk_state / chunk_out by Mosaic GPU: None = on Hopper where they suit
+    # (pallas_kernels/ssd/kernel_mgpu.use_mosaic_gpu), False = Triton only, True = forced.
+    ssd_mosaic_gpu: bool | None = None
 
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"mamba2.chunk_size must be positive, got {self.chunk_size}")
+        if self.ssd_mosaic_gpu is not None and self.ssd_impl in ("chunked", "reference"):
+            raise ValueError(
+                f"mamba2.ssd_mosaic_gpu={self.ssd_mosaic_gpu} chooses between Pallas kernels; "
+                f"mamba2.ssd_impl={self.ssd_impl!r} runs none (use 'auto' or 'pallas')"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

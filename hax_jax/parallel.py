@@ -202,7 +202,7 @@ def incoming_states(
 
 
 def ssd_sequence_parallel(
-    x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size: int, impl: str
+    x, dt, A, B, C, D, initial_state, seq_idx, *, chunk_size: int, impl: str, block_sizes=None
 ) -> tuple[jax.Array, jax.Array]:
     """`pallas_kernels.ssd` (y, final state) of this shard of the sequence, exact to one device.
 
@@ -210,7 +210,14 @@ def ssd_sequence_parallel(
     incoming state h_in (`incoming_states` over the shards' total decays and final states) adds
     y_t += exp(sum_{s<=t} dt_s A) C_t h_in at the positions t still in the document the previous
     shard ended in (`seq_idx`: a boundary inside or at the edge of the shard cuts it off)."""
-    kwargs = dict(chunk_size=chunk_size, D=D, return_final_state=True, seq_idx=seq_idx, impl=impl)
+    kwargs = dict(
+        chunk_size=chunk_size,
+        D=D,
+        return_final_state=True,
+        seq_idx=seq_idx,
+        impl=impl,
+        block_sizes=block_sizes,
+    )
     if seq_shards() == 1:
         return ssd(x, dt, A, B, C, initial_state=initial_state, **kwargs)
     y, final = ssd(x, dt, A, B, C, **kwargs)

@@ -23,6 +23,7 @@ from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
 from hax_jax.layers.init import dt_bias_init, linear
 from hax_jax.layers.norms import GatedRMSNorm
 from hax_jax.parallel import per_device, ssd_head_and_group_names, ssd_sequence_parallel
+from pallas_kernels.ssd import BlockSizes
 
 XBC = ("x", "B", "C")  # the conv's parts, contiguous in in_proj's output
 
@@ -52,6 +53,9 @@ class Mamba2Mixer(nnx.Module):
             m.chunk_size,
             m.ssd_impl,
             m.dt_limit,
+        )
+        self.ssd_block_sizes = (
+            None if m.ssd_mosaic_gpu is None else BlockSizes(mosaic_gpu=m.ssd_mosaic_gpu)
         )
 
         # Tensor parallelism (Mamba-2 paper §8.1): a device holds z, x, dt of its heads and B, C of
@@ -259,5 +263,6 @@ def _front_shard(
         seq_idx,
         chunk_size=chunk_size,
         impl=impl,
+        block_sizes=mixer.ssd_block_sizes,
     )
     return (y, z, x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))

@@ -162,3 +162,22 @@ def test_lm_decode_equals_parallel_for_a_hybrid():
         _cfg("mamba"), block_pattern=("mamba2", "mamba"), n_layer=4, tie_embeddings=False
     )
     assert_lm_decode_equals_parallel(cfg, TOL[jnp.float32])
+
+
+def test_mamba2_ssd_mosaic_gpu_reaches_the_kernels():
+    """model.mamba2.ssd_mosaic_gpu is the SSD kernels' BlockSizes.mosaic_gpu: forced on fp32
+    inputs (which Mosaic GPU does not take) it is refused by the kernel, False runs Triton's;
+    with a pure-JAX ssd_impl it is refused at config time, naming both settings."""
+    base = _cfg("mamba2").mamba2
+    forced = dataclasses.replace(base, ssd_impl="pallas", ssd_mosaic_gpu=True, chunk_size=16)
+    with pytest.raises(ValueError, match="mosaic_gpu=True"):
+        perturbed_mixer("mamba2", dataclasses.replace(_cfg("mamba2"), mamba2=forced), 0)(
+            random_inputs()
+        )
+    triton = dataclasses.replace(forced, ssd_mosaic_gpu=False)
+    y, _ = perturbed_mixer("mamba2", dataclasses.replace(_cfg("mamba2"), mamba2=triton), 0)(
+        random_inputs()
+    )
+    assert np.all(np.isfinite(np.asarray(y)))
+    with pytest.raises(ValueError, match="ssd_mosaic_gpu=False.*ssd_impl='chunked'"):
+        dataclasses.replace(base, ssd_impl="chunked", ssd_mosaic_gpu=False)
