@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hax_jax.config import MeshConfig
@@ -100,8 +101,37 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     """
     devices = np.asarray(jax.devices() if devices is None else devices).reshape(-1)
     shape = mesh_shape(cfg, devices.size)
-    devices = devices[: math.prod(shape)]
-    return Mesh(devices.reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    used = devices[: math.prod(shape)]
+    # A mesh of every device follows their links; a smaller one (tests, a one-device baseline)
+    # takes the first devices as they come.
+    grid = device_grid(used, shape) if used.size == devices.size else used.reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_grid(devices: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+    """`devices` laid out as the (data, seq, tensor) mesh `shape`, by the links between them.
+
+    Several TPU slices (distinct `slice_index`): "data" spans the slices over the data-centre
+    network, slice by slice, and within a slice the axes follow its torus (jax's hybrid mesh);
+    "seq" and "tensor" never cross a slice. One TPU slice: the axes follow its torus. GPUs: XLA's
+    global device numbering (ids), so "tensor", the innermost axis, stays within a host while
+    it fits one. CPU: as given.
+    """
+    tpu = devices[0].platform == "tpu"
+    slices = len({getattr(d, "slice_index", 0) for d in devices}) if tpu else 1
+    if slices > 1:
+        data, seq, tensor = shape
+        if data % slices:
+            raise ValueError(
+                f"mesh.data={data} must be a multiple of the {slices} TPU slices: only the data "
+                f"axis crosses slices (mesh data={data} x seq={seq} x tensor={tensor})"
+            )
+        return mesh_utils.create_hybrid_device_mesh(
+            (data // slices, seq, tensor), (slices, 1, 1), list(devices)
+        )
+    if devices[0].platform in ("tpu", "gpu"):
+        return mesh_utils.create_device_mesh(shape, list(devices), allow_split_physical_axes=True)
+    return devices.reshape(shape)
 
 
 # ----------------------------------------------------------------------------- specs
