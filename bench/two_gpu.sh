@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The 2-GPU measurements of BENCHMARKS.md "Multi-GPU training step", one phase per call (each meant
+# to end within 10 minutes on 2 x H100):
+#
+#     bash bench/two_gpu.sh PHASE OUTDIR
+#
+# PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO), tensor=2
+#        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
+#        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
+#        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
+#        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
+#        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch)
+#
+# One-GPU cases of a phase run side by side, one per GPU (CUDA_VISIBLE_DEVICES), then its 2-GPU cases
+# one at a time. Every case's log goes to OUTDIR/<case>.log; a case past its time limit is stopped and
+# the phase goes on. Compiled programs are kept in OUTDIR/jax_cache.
+set -uo pipefail
+phase=${1:?phase: dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
+out=${2:?output directory}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
+steps="--steps 20 --no-e2e"
+
+run() {  # run NAME SECONDS COMMAND...: one case, logged, stopped at its limit
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name $(date +%T)"
+    timeout -s INT "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "rc=$? $(date +%T)" >>"$out/$name.log"
+    pkill -9 -f '/[t]rain[.]py ' 2>/dev/null  # no train.py of a stopped case is left on a GPU
+    grep -h -A8 "^collectives of" "$out/$name.log"
+    grep -h "^| lm" "$out/$name.log" | tail -1
+    grep -h "^error\|RESOURCE_EXHAUSTED" "$out/$name.log" | tail -2
+}
+tp="python bench/train_throughput.py"  # a command (timeout runs programs, not functions)
+gpu() { local device=$1; shift; CUDA_VISIBLE_DEVICES=$device "$@"; }
+
+case $phase in
+dp_tp)
+    mkdir -p "$out/hlo_one" "$out/hlo_data2"
+    gpu 0 run one_gpu_130m 150 $tp --cases lm_mamba2_130m $steps --profile 60 --hlo-dir "$out/hlo_one"
+    run data2_130m 150 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
+        --hlo-dir "$out/hlo_data2" --set mesh.data=2 data.batch_size=16
+    run tensor2_130m 150 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
+        --set mesh.data=1 mesh.tensor=2
+    ;;
+seq)
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --profile 60 &
+    gpu 1 run one_gpu_hax_64k 400 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e &
+    wait
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 60 \
+        --set mesh.data=1 mesh.seq=2
+    ;;
+seq_hax)
+    run seq2_hax_64k 500 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
+        --set mesh.data=1 mesh.seq=2
+    ;;
+big_one)
+    gpu 0 run one_gpu_1_3b 500 $tp --cases lm_mamba2_1_3b --steps 10 --no-e2e \
+        --set model.remat=block &
+    gpu 1 run one_gpu_2_7b 500 $tp --cases lm_mamba2_2_7b --steps 10 --no-e2e \
+        --set model.remat=block &
+    wait
+    ;;
+tp_2_7b | tp_1_3b)
+    size=${phase#tp_}
+    run "tensor2_$size" 500 $tp --cases "lm_mamba2_$size" --steps 10 --no-e2e --collectives \
+        --set model.remat=block mesh.data=1 mesh.tensor=2
+    ;;
+procs)
+    mp="python bench/multiprocess_throughput.py --case lm_mamba2_130m --steps 20"
+    gpu 0 run e2e_one_gpu 170 $mp --processes 1
+    run e2e_1proc_data2 170 $mp --processes 1 --set mesh.data=2 data.batch_size=16
+    run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
+    ;;
+*)
+    echo "error: unknown phase '$phase' (dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    exit 2
+    ;;
+esac
+echo "done $(date +%T)"
