@@ -4,7 +4,8 @@
 #
 #     bash bench/two_gpu.sh PHASE OUTDIR
 #
-# PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO), tensor=2
+# PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO),
+#                  tensor=2, data=2 with FSDP
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
@@ -38,11 +39,13 @@ gpu() { local device=$1; shift; CUDA_VISIBLE_DEVICES=$device "$@"; }
 case $phase in
 dp_tp)
     mkdir -p "$out/hlo_one" "$out/hlo_data2"
-    gpu 0 run one_gpu_130m 150 $tp --cases lm_mamba2_130m $steps --profile 60 --hlo-dir "$out/hlo_one"
-    run data2_130m 150 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
+    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps --profile 60 --hlo-dir "$out/hlo_one"
+    run data2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
         --hlo-dir "$out/hlo_data2" --set mesh.data=2 data.batch_size=16
-    run tensor2_130m 150 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
+    run tensor2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
         --set mesh.data=1 mesh.tensor=2
+    run fsdp2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
+        --set mesh.data=2 mesh.fsdp=true data.batch_size=16
     ;;
 seq)
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --profile 60 &
