@@ -14,12 +14,13 @@
 #
 # One-GPU cases of a phase run side by side, one per GPU (CUDA_VISIBLE_DEVICES), then its 2-GPU cases
 # one at a time. Every case's log goes to OUTDIR/<case>.log; a case past its time limit is stopped and
-# the phase goes on. Compiled programs are kept in OUTDIR/jax_cache.
+# the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
+# /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
 phase=${1:?phase: dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
 steps="--steps 20 --no-e2e"
 
 run() {  # run NAME SECONDS COMMAND...: one case, logged, stopped at its limit
