@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import CASES, token_file  # noqa: E402
+from bench.train_throughput import CASES, case_argv  # noqa: E402
 
 
 def free_port() -> int:
@@ -37,27 +37,15 @@ def free_port() -> int:
 def run(case: str, processes: int, steps: int, extra: list[str], scratch: Path) -> float:
     """Process 0's mean tokens/s over the windows after the first."""
     workdir = scratch / f"{case}_{processes}p"
-    seq_len = next(
-        (
-            int(a.split("=")[1])
-            for a in [*CASES[case], *extra][::-1]
-            if a.startswith("data.seq_len=")
-        ),
-        2048,
-    )
     n = 3 * steps
     argv = [
-        str(ROOT / CASES[case][0]),
-        *CASES[case][1:],
-        *extra,
-        f"data.path={token_file(scratch, 50277, seq_len)}",
+        *case_argv(case, extra, scratch),
         f"workdir={workdir}",
         f"train.num_steps={n}",
         f"train.log_every={steps}",
         f"train.eval_every={n}",
         f"train.checkpoint_every={n}",
         "data.eval_batches=1",
-        "train.progress=false",
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if processes > 1:

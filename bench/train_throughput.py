@@ -81,16 +81,23 @@ def token_file(directory: Path, vocab_size: int, seq_len: int) -> str:
     return str(path)
 
 
+def case_argv(name: str, extra, scratch: Path) -> list[str]:
+    """train.py's arguments for case `name` with `extra` overrides; an LM case reads a random
+    token file in `scratch` long enough for its resolved data.seq_len."""
+    argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], *extra, "train.progress=false"]
+    if name.startswith("lm_"):
+        seq_len = train.resolve_config(argv).data.seq_len
+        argv.append(f"data.path={token_file(scratch, 50277, seq_len)}")
+    return argv
+
+
 def measure(
     name, steps, scratch: Path, e2e=True, extra=(), profile=0, collectives=False, hlo_dir=""
 ) -> dict:
     """Pure-step and end-to-end throughput of one case, with `extra` overrides; `profile` > 0
     prints that many of GPU 0's costliest kernels in a step; `collectives` prints the compiled
     step's collectives; `hlo_dir` receives the compiled step's optimized HLO (<case>.hlo.txt)."""
-    argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], *extra, "train.progress=false"]
-    if name.startswith("lm_"):
-        seq_len = train.resolve_config(argv).data.seq_len
-        argv.append(f"data.path={token_file(scratch, 50277, seq_len)}")
+    argv = case_argv(name, extra, scratch)
     cfg = train.resolve_config([*argv, f"workdir={scratch / name}"])
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True)

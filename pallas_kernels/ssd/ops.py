@@ -72,21 +72,10 @@ def _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _ssd_pallas(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes, interpret):
     """(y, final state) by the Pallas kernels, differentiable through the hand-written backward."""
-    y, final, _ = pallas.forward(
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        initial_state,
-        seq_idx,
-        chunk_size=chunk_size,
-        variant=variant,
-        sizes=sizes,
-        interpret=interpret,
+    outputs, _ = _ssd_pallas_fwd(
+        x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, variant, sizes, interpret
     )
-    return y, final
+    return outputs
 
 
 def _ssd_pallas_fwd(
