@@ -109,6 +109,7 @@ def measure(
         if collectives or hlo_dir:
             hlo = trainer.step_fn.lower(state, batch).compile().as_text()
         if hlo_dir:
+            Path(hlo_dir).mkdir(parents=True, exist_ok=True)
             (Path(hlo_dir) / f"{name}.hlo.txt").write_text(hlo)
         if collectives:
             print(f"collectives of one {name} step ({' '.join(extra)}):")
