@@ -105,8 +105,8 @@ def ratio(cur, prev):
 def table(rows):
     """Markdown table of the measurements with per-doubling growth ratios."""
     lines = [
-        "| l | lsh+ks time (s) | x prev | lsh+ks peak (MiB) | x prev "
-        "| dense time (s) | x prev | dense peak (MiB) | x prev |",
+        "| l | lsh+ks time (ms) | x prev | lsh+ks peak (MiB) | x prev "
+        "| dense time (ms) | x prev | dense peak (MiB) | x prev |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     prev = None
@@ -116,7 +116,7 @@ def table(rows):
             t, mem = row[kind]
             pt, pmem = prev[kind] if prev else (None, None)
             cells += [
-                "—" if t is None else f"{t:.3f}",
+                "—" if t is None else f"{t * 1e3:.2f}",
                 ratio(t, pt),
                 "—" if mem is None else f"{mem / 2**20:.1f}",
                 ratio(mem, pmem),
@@ -152,7 +152,8 @@ def section(rows, args):
             "",
             f"Forward + backward (jit(value_and_grad) wrt q, k, v) of one head, batch 1, "
             f"n = {args.n}, e = {args.e}, num_keys = {args.num_keys}, pattern `lsh+ks`, sign "
-            f"binning with h = {args.hash_bits} (256 buckets). Time: median of {args.repeats} runs "
+            f"binning with h = {args.hash_bits} ({2**args.hash_bits} buckets). Time: median of "
+            f"{args.repeats} runs "
             "after one warm-up. Peak: the compiled executable's `memory_analysis()`, argument + "
             "output + temp bytes (XLA's estimate, not a measured RSS). "
             "`dense` is the O(l^2) oracle "

@@ -162,8 +162,7 @@ class FusedConv1d(nnx.Module):
         seq_idx: jax.Array | None = None,
     ) -> tuple[dict[str, jax.Array], jax.Array]:
         """xs {part: (b, l, *shape)}, state (b, width - 1, total) -> (ys as xs, new state)."""
-        b, dtype = next(iter(xs.values())).shape[0], next(iter(xs.values())).dtype
-        states = unfuse(self.init_state(b, dtype) if state is None else state, self.parts)
+        states = None if state is None else unfuse(state, self.parts)
         kernels, biases = self.arrays()
         ys, states = conv_parts_sharded(xs, kernels, biases, states, seq_idx, self.parts)
         return ys, fuse(states, self.parts, lead=2)
@@ -226,8 +225,8 @@ def conv_parts(xs, kernels, biases, states, seq_idx, order: Sequence[str]):
 def conv_joined(x, kernels, biases, states, seq_idx, order: Sequence[str]):
     """`conv_parts` on the parts already side by side in x (b, l, total), e.g. a contiguous slice
     of a fused projection's output (no copy): -> (y (b, l, total), new states per part)."""
-    kernel, _ = side_by_side(kernels, order, lead=1)
+    kernel, shapes = side_by_side(kernels, order, lead=1)
     bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
-    state, shapes = side_by_side(states, order, lead=2)
+    state = None if states is None else side_by_side(states, order, lead=2)[0]
     y, new_state = conv_shard(x, kernel, bias, state, seq_idx)
     return y, apart(new_state, order, shapes)

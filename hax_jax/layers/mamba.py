@@ -122,7 +122,7 @@ class MambaMixer(nnx.Module):
                 in_biases=in_biases,
                 conv_kernel=conv.kernel[...],
                 conv_bias=None if conv.bias is None else conv.bias[...],
-                conv_state=conv.init_state(u.shape[0], self.dtype) if cache is None else cache.conv,
+                conv_state=None if cache is None else cache.conv,  # None: zeros, made per shard
             ),
             dict(
                 u=("batch", "seq", None),

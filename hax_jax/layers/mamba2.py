@@ -146,7 +146,6 @@ class Mamba2Mixer(nnx.Module):
         }
         in_kernels, in_biases = self.in_proj.arrays()
         conv_kernels, conv_biases = self.conv1d.arrays()
-        conv_state = self.conv1d.init_state(b, self.dtype) if cache is None else cache.conv
         xbc = {k: part_axes[k] for k in ("x", "B", "C")}
         front = functools.partial(
             _front_shard, mixer=self, chunk_size=self.chunk_size, impl=self.ssd_impl
@@ -159,7 +158,7 @@ class Mamba2Mixer(nnx.Module):
                 in_biases=in_biases,
                 conv_kernels=conv_kernels,
                 conv_biases=conv_biases,
-                conv_states=unfuse(conv_state, self.conv1d.parts),
+                conv_states=None if cache is None else unfuse(cache.conv, self.conv1d.parts),
                 dt_bias=self.dt_bias[...],
                 A=-jnp.exp(self.A_log[...]),
                 D=self.D[...],
