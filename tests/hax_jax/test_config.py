@@ -13,6 +13,7 @@ from flax import nnx
 from hax_jax import config as config_lib
 from hax_jax.checkpoint import abstract_model, check_resumable
 from hax_jax.config import Config, ModelConfig
+from hax_jax.data.pipeline import make_source, row_length
 
 CONFIG_DIR = Path(__file__).parents[2] / "configs"
 RELEASED = config_lib.load_config_module(CONFIG_DIR / "released.py").NAMES
@@ -151,6 +152,29 @@ def test_joint_recall_grid():
     assert counts["mamba,none"] < counts["mamba,hax"] < counts["mamba,double"]
     with pytest.raises(ValueError, match="unknown joint-recall variant 'mamba,xyz'"):
         config_lib.load_config_file(f"{path}:mamba,xyz")
+
+
+def test_joint_recall_at_16x_length():
+    """The 16x cells are the grid's cells with 4x contexts and 4x keys per context: 16,514-token
+    sequences whose every token fits the vocabulary, the model otherwise the same."""
+    path = CONFIG_DIR / "joint_recall_16x.py"
+    for variant in config_lib.load_config_module(path).VARIANTS:
+        cfg = config_lib.load_config_file(f"{path}:{variant}")
+        short = config_lib.load_config_file(f"{CONFIG_DIR / 'joint_recall.py'}:{variant}")
+        jr = cfg.data.joint_recall
+        assert (jr.n_context, jr.n_key, jr.max_n_context, jr.max_n_key) == ((20, 64),) * 2 + (
+            64,
+        ) * 2
+        assert row_length(cfg) + 1 == cfg.model.sparse.max_len == 16_514
+        assert (
+            dataclasses.replace(cfg.model, vocab_size=100, sparse=short.model.sparse) == short.model
+        )
+        source = make_source(cfg, "valid", "unused")
+        row = source[len(source) - 1]
+        assert row["inputs"].shape == (16_513,)
+        assert 0 <= row["inputs"].min() and row["inputs"].max() < cfg.model.vocab_size
+    with pytest.raises(ValueError, match="unknown 16x joint-recall variant 'mamba,hax'"):
+        config_lib.load_config_file(f"{path}:mamba,hax")
 
 
 def test_released_configs_are_all_checked():
