@@ -5,11 +5,13 @@
 #     bash bench/two_gpu.sh PHASE OUTDIR
 #
 # PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO),
-#                  tensor=2, data=2 with FSDP
+#                  tensor=2, data=2 with FSDP, data=2 with 16 MiB all-reduces and XLA's
+#                  latency-hiding scheduler
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
+#                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8)
 #        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch)
 #
 # One-GPU cases of a phase run side by side, one per GPU (CUDA_VISIBLE_DEVICES), then its 2-GPU cases
@@ -22,6 +24,7 @@ out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
 steps="--steps 20 --no-e2e"
+big="model.remat=block data.batch_size=${BATCH:-8}"
 
 run() {  # run NAME SECONDS COMMAND...: one case, logged, stopped at its limit
     local name=$1 limit=$2
@@ -47,6 +50,11 @@ dp_tp)
         --set mesh.data=1 mesh.tensor=2
     run fsdp2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
         --set mesh.data=2 mesh.fsdp=true data.batch_size=16
+    # Smaller combined all-reduces that the latency-hiding scheduler may start during the backward.
+    XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true \
+--xla_gpu_all_reduce_combine_threshold_bytes=16777216" \
+        run data2_lhs_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
+        --set mesh.data=2 data.batch_size=16
     ;;
 seq)
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --profile 60 &
@@ -60,16 +68,14 @@ seq_hax)
         --set mesh.data=1 mesh.seq=2
     ;;
 big_one)
-    gpu 0 run one_gpu_1_3b 500 $tp --cases lm_mamba2_1_3b --steps 10 --no-e2e \
-        --set model.remat=block &
-    gpu 1 run one_gpu_2_7b 500 $tp --cases lm_mamba2_2_7b --steps 10 --no-e2e \
-        --set model.remat=block &
+    gpu 0 run one_gpu_1_3b 500 $tp --cases lm_mamba2_1_3b --steps 10 --no-e2e --set $big &
+    gpu 1 run one_gpu_2_7b 500 $tp --cases lm_mamba2_2_7b --steps 10 --no-e2e --set $big &
     wait
     ;;
 tp_2_7b | tp_1_3b)
     size=${phase#tp_}
     run "tensor2_$size" 500 $tp --cases "lm_mamba2_$size" --steps 10 --no-e2e --collectives \
-        --set model.remat=block mesh.data=1 mesh.tensor=2
+        --set $big mesh.data=1 mesh.tensor=2
     ;;
 procs)
     mp="python bench/multiprocess_throughput.py --case lm_mamba2_130m --steps 20"

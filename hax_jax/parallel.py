@@ -22,7 +22,8 @@ from jax.sharding import AxisType, PartitionSpec
 
 from hax_jax.sharding import current_mesh, logical_to_spec
 from pallas_kernels.selective_scan import selective_scan
-from pallas_kernels.sparse_attention import SparseSpec, carry, sparse_attention
+from pallas_kernels.sparse_attention import SparseSpec, carry, carry_pallas, sparse_attention
+from pallas_kernels.sparse_attention.ops import picks_pallas
 from pallas_kernels.ssd import ssd
 
 SEQ = "seq"
@@ -325,7 +326,9 @@ def sparse_attention_sequence_parallel(
     keys later queries may select from it (`carry.summarise`: per LSH bucket the kc most recent,
     the kc best-scored, the last / first kc, the kc most recent dilated: the decode cache's
     contents), the summaries are all-gathered over "seq", and each shard's queries merge the
-    earlier shards' into their own candidates (`carry.attend_with_carry`). LSH centring uses
+    earlier shards' into their own candidates: with the Pallas kernels by running them over the
+    carried keys put in front of the shard's (`carry_pallas.attend`), else by gathering each
+    query's candidates (`carry.attend_with_carry`). LSH centring uses
     the earlier shards' sums of q and k. "full" all-gathers K and V (the quadratic ceiling)."""
     shards = seq_shards()
     if shards == 1:
@@ -350,13 +353,37 @@ def sparse_attention_sequence_parallel(
         q_sum_in, k_sum_in = jnp.split(incoming_states(jnp.ones(()), sums)[0], 2, axis=-1)
         bucket_k = carry.buckets_after(k, k_sum_in, offset, hash_proj, spec.binning)
     summary = carry.summarise(k, v, key_scores, bucket_k, offset, spec)
-    # Keys and values travel as one array (one all-gather, one reduce-scatter back).
+    # Keys and values travel as one array (one all-gather, one reduce-scatter back), positions
+    # and buckets as another.
     n = k.shape[-1]
     kv = jnp.concatenate([summary.k, summary.v.astype(summary.k.dtype)], axis=-1)
-    pos, score, kv = (
-        jax.lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (summary.pos, summary.score, kv)
+    ints = jnp.stack([summary.pos, summary.pos if bucket_k is None else summary.bucket], axis=-1)
+    ints, score, kv = (
+        jax.lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (ints, summary.score, kv)
     )
-    gathered = carry.Summary(pos, kv[..., :n], kv[..., n:].astype(v.dtype), score)
+    gathered = carry.Summary(
+        ints[..., 0],
+        kv[..., :n],
+        kv[..., n:].astype(v.dtype),
+        score,
+        None if bucket_k is None else ints[..., 1],
+    )
+    if picks_pallas(spec, impl):
+        bucket_q = None
+        if spec.has("lsh"):
+            bucket_q = carry.buckets_after(q, q_sum_in, offset, hash_proj, spec.binning)
+        return carry_pallas.attend(
+            q,
+            k,
+            v,
+            key_scores,
+            bucket_q,
+            bucket_k,
+            gathered,
+            spec=spec,
+            offset=offset,
+            shards=shards,
+        )
     return carry.attend_with_carry(
         q,
         k,

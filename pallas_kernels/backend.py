@@ -76,8 +76,10 @@ def custom_calls_in_cuda_graphs(xla_flags=None):
 def keep_custom_calls_out_of_cuda_graphs():
     """Adds --xla_gpu_enable_command_buffer=-CUSTOM_CALL to XLA_FLAGS unless the flag is set
     there already. For command lines, before JAX starts its GPU backend (later it has no
-    effect). Why: recorded into CUDA graphs, Mosaic GPU kernels cost host time; in the 130M
-    training steps on an H100 that time was more than they save (BENCHMARKS.md)."""
+    effect). Why: recorded into CUDA graphs, Mosaic GPU kernels cost host time, so the SSD takes
+    them only with custom calls kept out (`kernel_mgpu.use_mosaic_gpu`). The whole 130M step on
+    an H100 measured no difference beyond the run-to-run spread among Mosaic GPU out of the
+    graphs, Triton out of them and Triton in them (BENCHMARKS.md, 2026-11-25)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if _command_buffer_tokens(flags):
         return

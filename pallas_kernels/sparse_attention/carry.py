@@ -37,6 +37,7 @@ class Summary(NamedTuple):
     k: jax.Array  # (b, r, n)
     v: jax.Array  # (b, r, e)
     score: jax.Array  # (b, r) fp32
+    bucket: jax.Array | None = None  # (b, r) int32: the key's LSH bucket (patterns with lsh)
 
 
 def buckets_after(x_bln, sum_in_bn, offset, hash_proj, binning):
@@ -87,6 +88,7 @@ def summarise(k, v, key_scores, bucket_k, offset, spec: SparseSpec):
         k=take(k),
         v=take(v),
         score=take(jax.lax.stop_gradient(scores.astype(jnp.float32))),
+        bucket=None if bucket_k is None else take(bucket_k),
     )
 
 
@@ -99,7 +101,7 @@ def _block_sizes(spec, l):
     ]
 
 
-def _carried(gathered: Summary, offset, shards, spec, l):
+def carried_rows(gathered: Summary, offset, shards, spec, l):
     """Per component, rows of `gathered` (the summaries of all shards, flattened to (b, S * R))
     that queries of the shard at `offset` may take from the earlier shards, as row indices
     (EMPTY for none): lsh (b, u, kc) and dilated (b, kc) most recent first, ks (b, kc) best
@@ -173,7 +175,7 @@ def attend_with_carry(
     (all carried keys are older than every local key); their union gets one softmax."""
     b, l, _ = q.shape
     kc = spec.keys_per_component
-    carried = _carried(gathered, offset, shards, spec, l)
+    carried = carried_rows(gathered, offset, shards, spec, l)
     i_l = offset + jnp.arange(l, dtype=jnp.int32)  # global query positions
     s_s = jnp.arange(kc, dtype=jnp.int32)
     parts = []  # (global position, row of [local | gathered], valid), each (b, l, kc')

@@ -110,6 +110,29 @@ def _sparse_attention_pallas_bwd(kc, cfg, residuals, do):
 _sparse_attention_pallas.defvjp(_sparse_attention_pallas_fwd, _sparse_attention_pallas_bwd)
 
 
+def picks_pallas(spec, impl, variant=None) -> bool:
+    """Whether `impl` runs the Pallas kernels for `spec` here: "pallas", or "auto" where
+    `backend.auto_picks_pallas()` and the kernels take the pattern."""
+    if impl != "auto":
+        return impl == "pallas"
+    return (
+        backend.auto_picks_pallas()
+        and variant in (None, "gpu")
+        and not spec.official_code
+        and _pallas_order(spec) in pallas.SUPPORTED_PATTERNS
+    )
+
+
+def sparse_attention_of_layout(q, k, v, layout, spec, *, blocks, variant=None):
+    """impl="pallas" over a selection the caller built with `blocks` (`pallas.layout_of`, e.g.
+    buckets centred over a whole sequence of which q, k, v are a shard: carry_pallas.py): o (b, l,
+    e) in v.dtype."""
+    variant = variant or backend.default_variant()
+    _check_pallas(spec, variant, blocks)
+    cfg = (pallas.effective_blocks(blocks, v.shape[-1]), variant, None)
+    return _sparse_attention_pallas(q, k, v, layout, spec.keys_per_component, cfg)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -196,9 +219,7 @@ def sparse_attention(
         if loose:
             raise ValueError(f"give the attention as spec or as its settings, not both: {loose}")
     if impl == "auto":
-        impl = "indexed"
-        if backend.auto_picks_pallas() and variant in (None, "gpu") and not spec.official_code:
-            impl = "pallas" if _pallas_order(spec) in pallas.SUPPORTED_PATTERNS else "indexed"
+        impl = "pallas" if picks_pallas(spec, impl, variant) else "indexed"
     if impl == "pallas":
         variant = variant or backend.default_variant()
         blocks = BlockSizes(block_q, block_k, block_e, num_warps, num_stages)

@@ -51,13 +51,21 @@ def padded_length(l, blocks):
 
 def build_layout(q, k, *, spec, hash_proj, key_scores, blocks):
     """The Layout of q, k (b, l, n) for the components of `spec` (O(l log l), plain JAX)."""
-    length = padded_length(q.shape[1], blocks)
+    if not spec.has("lsh"):
+        return layout_of(None, key_scores, spec=spec, blocks=blocks, n_buckets=0)
+    buckets = tuple(running_buckets(x, hash_proj, spec.binning) for x in (q, k))
+    return layout_of(buckets, key_scores, spec=spec, blocks=blocks, n_buckets=spec.num_buckets)
+
+
+def layout_of(buckets, key_scores, *, spec, blocks, n_buckets):
+    """The Layout of given LSH buckets (bucket_q, bucket_k) (b, l) in [0, n_buckets) (None without
+    lsh) and key scores (b, l) (None without ks)."""
+    l = (key_scores if buckets is None else buckets[0]).shape[1]
+    length = padded_length(l, blocks)
     kc = spec.keys_per_component
     lsh = schedule = ks = None
     if spec.has("lsh"):
-        bucket_q = running_buckets(q, hash_proj, spec.binning)
-        bucket_k = running_buckets(k, hash_proj, spec.binning)
-        lsh = lsh_layout(bucket_q, bucket_k, kc, length, spec.num_buckets)
+        lsh = lsh_layout(*buckets, kc, length, n_buckets)
         schedule = tile_schedule(lsh.lo, lsh.hi, blocks.block_q, blocks.block_k, kc)
     if spec.has("ks"):
         ks = ks_layout(key_scores, kc, blocks.block_q, length)

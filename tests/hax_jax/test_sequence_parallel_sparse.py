@@ -3,9 +3,12 @@ gives the one-device loss (task + ranking) and every gradient.
 
 Each shard's queries merge the keys the earlier shards leave selectable (per LSH bucket the kc
 most recent, the kc best-scored, the last / first / dilated kc: hax_jax.parallel,
-pallas_kernels/sparse_attention/carry.py). With 64 tokens, num_keys 8 and 4 LSH buckets, shards
-of 8-32 positions put boundaries inside bucket histories, KS prefixes, windows and sinks.
+pallas_kernels/sparse_attention/carry.py, and carry_pallas.py for the kernels). With 64 tokens,
+num_keys 8 and 4 LSH buckets, shards of 8-32 positions put boundaries inside bucket histories, KS
+prefixes, windows and sinks.
 """
+
+import dataclasses
 
 import pytest
 
@@ -22,7 +25,26 @@ def test_every_pattern(pattern):
     _check_split_equals_one_device(_cfg(("mamba2",), pattern), MESHES[mesh_id], False)
 
 
+# The op per shard: the Pallas kernels (interpreted on CPU) over the earlier shards' carried keys
+# put in front of the shard's own (carry_pallas.py), or the pure-JAX path gathering each query's
+# keys.
+IMPL = {"seq2": "indexed", "seq4": "pallas", "seq8": "indexed", "dst222": "pallas"}
+
+
+def _with_impl(cfg, impl):
+    return dataclasses.replace(cfg, sparse=dataclasses.replace(cfg.sparse, impl=impl))
+
+
 @pytest.mark.parametrize("mesh_id", MESH_IDS)
 def test_hax_on_every_mesh(mesh_id):
-    """HAX (lsh+ks) beside Mamba and Mamba-2 layers on every mesh."""
-    _check_split_equals_one_device(_cfg(("mamba", "mamba2"), "lsh+ks"), MESHES[mesh_id], False)
+    """HAX (lsh+ks) beside Mamba and Mamba-2 layers on every mesh, by either impl."""
+    cfg = _with_impl(_cfg(("mamba", "mamba2"), "lsh+ks"), IMPL[mesh_id])
+    _check_split_equals_one_device(cfg, MESHES[mesh_id], False)
+
+
+@pytest.mark.parametrize("pattern", ["lsh", "ks"])
+def test_pallas_over_the_carry_per_component(pattern):
+    """Each component alone by the Pallas kernels: a bucket's history or a KS prefix cut by a
+    shard boundary selects as on one device."""
+    cfg = _with_impl(_cfg(("mamba2",), pattern), "pallas")
+    _check_split_equals_one_device(cfg, MESHES["seq2"], False)
