@@ -25,6 +25,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("USE_HUB_KERNELS", "0")  # transformers must not fetch kernels from the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc
+
 import jax
 import pytest
 
@@ -48,3 +50,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops jax's compiled programs after each test module. XLA's CPU JIT maps memory for every
+    executable it keeps, and the whole suite's would pass Linux's vm.max_map_count (65,530): the
+    next compile then crashes (a segfault in test_ssd.py after ~650 tests). One module's programs
+    map ~25,000 regions at most (test_sequence_parallel_sparse.py)."""
+    yield
+    jax.clear_caches()
+    gc.collect()  # the executables go with their last references
