@@ -49,6 +49,11 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[1057, 16513])
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
+    for name, value in [("--batch", args.batch), ("--layers", args.layers)] + [
+        ("--lengths", l) for l in args.lengths
+    ]:
+        if value < 1:
+            parser.error(f"{name} must be positive, got {value}")
     print(
         f"| l | b l^2 (b = {args.batch}) | one int64 array GiB | one bf16 GiB | one bool GiB "
         f"| bf16 softmaxes kept ({args.layers} layers) GiB |"

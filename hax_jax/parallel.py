@@ -357,7 +357,7 @@ def sparse_attention_sequence_parallel(
     # and buckets as another.
     n = k.shape[-1]
     kv = jnp.concatenate([summary.k, summary.v.astype(summary.k.dtype)], axis=-1)
-    ints = jnp.stack([summary.pos, summary.pos if bucket_k is None else summary.bucket], axis=-1)
+    ints = jnp.stack([summary.pos] + ([] if bucket_k is None else [summary.bucket]), axis=-1)
     ints, score, kv = (
         jax.lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (ints, summary.score, kv)
     )

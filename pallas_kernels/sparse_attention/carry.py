@@ -255,7 +255,7 @@ def attend_with_carry(
     pos = jnp.concatenate([p[0] for p in parts], axis=-1)
     row = jnp.concatenate([p[1] for p in parts], axis=-1)
     ok = jnp.concatenate([p[2] for p in parts], axis=-1)
-    row, ok = _dedupe_rows(pos, row, ok)
+    row, ok = dedupe_rows(pos, row, ok)
     k_all = jnp.concatenate([k, gathered.k.astype(k.dtype)], axis=1).astype(jnp.float32)
     v_all = jnp.concatenate([v, gathered.v.astype(v.dtype)], axis=1).astype(jnp.float32)
     block = query_block_size(l, row.shape[-1], k.shape[-1], v.shape[-1])
@@ -280,9 +280,9 @@ def _dilated(j_ls, last_before, d, offset, carried_bs, from_rows, b, l, kc):
     return j_bls, row, ok
 
 
-def _dedupe_rows(pos_bls, row_bls, ok_bls):
-    """Rows of each query's candidates with repeated positions (a key picked by two components)
-    and invalid slots masked (row 0, not ok)."""
+def dedupe_rows(pos_bls, row_bls, ok_bls):
+    """Rows of each query's candidates in position order, with repeated positions (a key picked
+    by two components) and invalid slots masked (row 0, not ok)."""
     sentinel = jnp.iinfo(jnp.int32).max
     pos_bls, row_bls = jax.lax.sort(
         (jnp.where(ok_bls, pos_bls, sentinel), row_bls), dimension=2, num_keys=1

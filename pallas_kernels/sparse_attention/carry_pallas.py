@@ -23,13 +23,11 @@ Letters: b batch, t local position, r carried row, x position in the longer sequ
 import jax
 import jax.numpy as jnp
 
-from .carry import EMPTY, Summary, carried_rows
+from .carry import EMPTY, Summary, carried_rows, dedupe_rows
 from .ops import sparse_attention_of_layout
 from .pallas import layout_of
 from .spec import SparseSpec
 from .tiling import BlockSizes
-
-LAST = jnp.iinfo(jnp.int32).max  # sorts an empty carried row after every real one
 
 
 def attend(
@@ -44,13 +42,10 @@ def attend(
     rows = carried_rows(gathered, offset, shards, spec, l)
     rows_br = jnp.concatenate([rows[c].reshape(b, -1) for c in spec.components], axis=1)
     r = rows_br.shape[1]
-    # Each carried key once, in global order: sort by position, drop repeats.
-    pos_br = jnp.where(
-        rows_br != EMPTY, jnp.take_along_axis(gathered.pos, jnp.maximum(rows_br, 0), 1), LAST
-    )
-    pos_br, at_br = jax.lax.sort((pos_br, jnp.maximum(rows_br, 0)), dimension=1, num_keys=1)
-    first_br = jnp.concatenate([jnp.ones((b, 1), bool), pos_br[:, 1:] != pos_br[:, :-1]], axis=1)
-    real_br = (pos_br != LAST) & first_br
+    # Each carried key once, in global order (rows sorted by position, repeats dropped).
+    pos_b1r = jnp.take_along_axis(gathered.pos, jnp.maximum(rows_br, 0), 1)[:, None]
+    at_b1r, real_b1r = dedupe_rows(pos_b1r, rows_br[:, None], (rows_br != EMPTY)[:, None])
+    at_br, real_br = at_b1r[:, 0], real_b1r[:, 0]
     count_b = jnp.sum(real_br, axis=1)
     slot_br = jnp.where(real_br, jnp.cumsum(real_br, axis=1) - 1, r + l)  # r + l: dropped
     x_bt = count_b[:, None] + jnp.arange(l, dtype=jnp.int32)
