@@ -6,12 +6,14 @@
 #
 # PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO),
 #                  tensor=2, data=2 with FSDP, data=2 with 16 MiB all-reduces and XLA's
-#                  latency-hiding scheduler
+#                  latency-hiding scheduler;  dp: the same without tensor=2 and FSDP, then one GPU
+#                  again
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
-#                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8)
+#                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8; LHS=1: tp_* with
+#                  XLA's latency-hiding scheduler, logged as tensor2_<size>_lhs)
 #        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch)
 #
 # One-GPU cases of a phase run side by side, one per GPU (CUDA_VISIBLE_DEVICES), then its 2-GPU cases
@@ -19,7 +21,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -40,21 +42,30 @@ run() {  # run NAME SECONDS COMMAND...: one case, logged, stopped at its limit
 tp="python bench/train_throughput.py"  # a command (timeout runs programs, not functions)
 gpu() { local device=$1; shift; CUDA_VISIBLE_DEVICES=$device "$@"; }
 
-case $phase in
-dp_tp)
+lhs_flags="--xla_gpu_enable_latency_hiding_scheduler=true"
+data_parallel() {  # one GPU and data=2 at 8 x 2048 a GPU (the dp and dp_tp phases)
     mkdir -p "$out/hlo_one" "$out/hlo_data2"
     gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps --profile 60 --hlo-dir "$out/hlo_one"
     run data2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
         --hlo-dir "$out/hlo_data2" --set mesh.data=2 data.batch_size=16
+    # Smaller combined all-reduces that the latency-hiding scheduler may start during the backward.
+    XLA_FLAGS="$lhs_flags --xla_gpu_all_reduce_combine_threshold_bytes=16777216" \
+        run data2_lhs_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
+        --set mesh.data=2 data.batch_size=16
+}
+
+case $phase in
+dp)
+    data_parallel
+    # The one-GPU step again, from the compilation cache: the spread between the two is the noise.
+    gpu 0 run one_gpu_130m_again 100 $tp --cases lm_mamba2_130m $steps
+    ;;
+dp_tp)
+    data_parallel
     run tensor2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
         --set mesh.data=1 mesh.tensor=2
     run fsdp2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
         --set mesh.data=2 mesh.fsdp=true data.batch_size=16
-    # Smaller combined all-reduces that the latency-hiding scheduler may start during the backward.
-    XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true \
---xla_gpu_all_reduce_combine_threshold_bytes=16777216" \
-        run data2_lhs_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
-        --set mesh.data=2 data.batch_size=16
     ;;
 seq)
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --profile 60 &
@@ -74,7 +85,8 @@ big_one)
     ;;
 tp_2_7b | tp_1_3b)
     size=${phase#tp_}
-    run "tensor2_$size" 500 $tp --cases "lm_mamba2_$size" --steps 10 --no-e2e --collectives \
+    [[ ${LHS:-0} == 1 ]] && export XLA_FLAGS="$lhs_flags"
+    run "tensor2_$size${XLA_FLAGS:+_lhs}" 500 $tp --cases "lm_mamba2_$size" --steps 10 --no-e2e --collectives \
         --set $big mesh.data=1 mesh.tensor=2
     ;;
 procs)
@@ -84,7 +96,7 @@ procs)
     run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
     ;;
 *)
-    echo "error: unknown phase '$phase' (dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    echo "error: unknown phase '$phase' (dp, dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
     exit 2
     ;;
 esac
