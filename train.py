@@ -91,10 +91,10 @@ class Trainer:
             graphdef=graphdef,
             tx=tx,
             rank_loss_weight=cfg.model.sparse.rank_loss_weight,
+            lr=optim.learning_rate(cfg.optim, cfg.train.num_steps),
         )
         self.step_fn = jax.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
         self.eval_fn = jax.jit(functools.partial(training.eval_step, graphdef=graphdef))
-        self.lr = optim.learning_rate(cfg.optim, cfg.train.num_steps)
         self.metrics = Metrics(workdir, resumed_at=latest)
         self.stop_requested = False
 
@@ -179,7 +179,6 @@ class Trainer:
                 f"step {step}; saved the last good state (step {good}) in "
                 f"{self.workdir}/checkpoints"
             )
-        values["lr"] = float(self.lr(step - 1))
         start, first = self.window
         values["tokens_per_s"] = (
             (step - first) * self.cfg.data.batch_size * self.row_length

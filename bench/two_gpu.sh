@@ -6,7 +6,8 @@
 #
 # PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO),
 #                  tensor=2, data=2 with FSDP, data=2 with 16 MiB all-reduces and XLA's
-#                  latency-hiding scheduler;  dp: the same without tensor=2 and FSDP, then one GPU
+#                  latency-hiding scheduler (PROFILE=N: list N kernels, default 60);  dp: the same
+#                  without tensor=2 and FSDP, then one GPU
 #                  again
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
@@ -45,8 +46,8 @@ gpu() { local device=$1; shift; CUDA_VISIBLE_DEVICES=$device "$@"; }
 lhs_flags="--xla_gpu_enable_latency_hiding_scheduler=true"
 data_parallel() {  # one GPU and data=2 at 8 x 2048 a GPU (the dp and dp_tp phases)
     mkdir -p "$out/hlo_one" "$out/hlo_data2"
-    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps --profile 60 --hlo-dir "$out/hlo_one"
-    run data2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives --profile 60 \
+    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps --profile "${PROFILE:-60}" --hlo-dir "$out/hlo_one"
+    run data2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives --profile "${PROFILE:-60}" \
         --hlo-dir "$out/hlo_data2" --set mesh.data=2 data.batch_size=16
     # Smaller combined all-reduces that the latency-hiding scheduler may start during the backward.
     XLA_FLAGS="$lhs_flags --xla_gpu_all_reduce_combine_threshold_bytes=16777216" \

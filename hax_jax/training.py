@@ -83,8 +83,14 @@ def train_step(
     graphdef,
     tx: optax.GradientTransformation,
     rank_loss_weight: float,
+    lr: optax.Schedule,
 ):
-    """One AdamW step; a non-finite loss or gradient leaves the state as it was and unhealthy."""
+    """One AdamW step; a non-finite loss or gradient leaves the state as it was and unhealthy.
+
+    Its metrics include `lr`, the value of `tx`'s schedule `lr` at this update, computed here: in
+    train.py's loop it was a small program of its own, queued on the device behind the next step,
+    so reading it stalled the loop (train.py reads a step's metrics after dispatching the next).
+    """
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, metrics), grads = grad_fn(state.params, graphdef, batch, rng, rank_loss_weight)
@@ -103,7 +109,7 @@ def train_step(
         opt_state=keep(opt_state, state.opt_state),
         healthy=healthy,
     )
-    return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm}
+    return new_state, {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr(state.step)}
 
 
 def eval_step(params: dict, batch: dict, *, graphdef) -> dict:

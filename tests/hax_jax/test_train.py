@@ -19,6 +19,7 @@ from tiny_runs import TINY_JOINT_RECALL
 
 import hax_jax
 from hax_jax import config as config_lib
+from hax_jax import optim
 
 ROOT = Path(__file__).parents[2]
 _spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
@@ -82,6 +83,13 @@ def test_resume_continues_exactly(tmp_path):
     )
     # The losses change from step to step: a restarted (not resumed) iterator would show.
     assert len({round(v, 6) for v in straight.values()}) > 30
+    # Step s logs the learning rate its update applied: the schedule's value after s - 1 updates.
+    cfg = train.resolve_config([*SMALL, "train.num_steps=40"])
+    schedule = optim.learning_rate(cfg.optim, cfg.train.num_steps)
+    logged_lr = _losses(tmp_path / "straight", "lr")
+    np.testing.assert_allclose(
+        [logged_lr[s] for s in range(1, 41)], [float(schedule(s - 1)) for s in range(1, 41)]
+    )
     assert _losses(tmp_path / "resumed", "valid_accuracy")[40] == pytest.approx(
         _losses(tmp_path / "straight", "valid_accuracy")[40], abs=1e-6
     )
