@@ -7,8 +7,8 @@
 # PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO),
 #                  tensor=2, data=2 with FSDP, data=2 with 16 MiB all-reduces and XLA's
 #                  latency-hiding scheduler (PROFILE=N: list N kernels, default 60);  dp: the same
-#                  without tensor=2 and FSDP, then one GPU
-#                  again
+#                  without tensor=2 and FSDP, then one GPU again;  dp_flags: one GPU, data=2 under
+#                  XLA flags for the gradient all-reduces
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
@@ -22,7 +22,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -84,6 +84,21 @@ big_one)
     gpu 1 run one_gpu_2_7b 500 $tp --cases lm_mamba2_2_7b --steps 10 --no-e2e --set $big &
     wait
     ;;
+dp_flags)
+    # data=2 under XLA flags that decide when the gradient all-reduces run: by default XLA combines
+    # them into ~30 MiB buffers that each wait for the end of the backward.
+    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps
+    run data2_130m 130 $tp --cases lm_mamba2_130m $steps --set mesh.data=2 data.batch_size=16
+    for threshold in 0 4194304; do
+        XLA_FLAGS="$lhs_flags --xla_gpu_all_reduce_combine_threshold_bytes=$threshold" \
+            run "data2_lhs_$threshold" 130 $tp --cases lm_mamba2_130m $steps --collectives \
+            --set mesh.data=2 data.batch_size=16
+    done
+    XLA_FLAGS="$lhs_flags --xla_gpu_all_reduce_combine_threshold_bytes=4194304 \
+--xla_gpu_enable_highest_priority_async_stream=true" \
+        run data2_lhs_4194304_priority 130 $tp --cases lm_mamba2_130m $steps \
+        --set mesh.data=2 data.batch_size=16
+    ;;
 tp_2_7b | tp_1_3b)
     size=${phase#tp_}
     [[ ${LHS:-0} == 1 ]] && export XLA_FLAGS="$lhs_flags"
@@ -97,7 +112,7 @@ procs)
     run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
     ;;
 *)
-    echo "error: unknown phase '$phase' (dp, dp_tp, seq, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
     exit 2
     ;;
 esac
