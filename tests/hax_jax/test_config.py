@@ -108,7 +108,10 @@ def test_json_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("name, spec", CONFIGS, ids=[name for name, _ in CONFIGS])
-def test_every_config_builds(name, spec):
+def test_every_config_builds(name, spec, tmp_path, monkeypatch):
+    # text_lm.py writes its default corpus to runs/data/ under the working directory: here, not
+    # into the checkout (where a concurrent run or train.py could be writing the same file).
+    monkeypatch.chdir(tmp_path)
     cfg = config_lib.load_config_file(spec)
     assert isinstance(cfg, Config) and dataclasses.is_dataclass(cfg.model)
     count = _param_count(cfg.model)
