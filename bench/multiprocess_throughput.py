@@ -6,7 +6,8 @@
 Starts `--processes` train.py processes on this host, process i seeing GPU i alone, with
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID as in the README; they train 3 x
 --steps steps on fresh batches of a case of bench/train_throughput.py. Reports process 0's tokens/s
-(metrics.jsonl, a window every --steps steps; the first, which compiles, left out). `--processes 1`
+(metrics.jsonl, a window every --steps steps; the first, which compiles, left out): the mean, then
+each window's. `--processes 1`
 runs one train.py over every visible GPU with the same arguments: the one-process baseline.
 """
 
@@ -34,8 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(case: str, processes: int, steps: int, extra: list[str], scratch: Path) -> float:
-    """Process 0's mean tokens/s over the windows after the first."""
+def run(case: str, processes: int, steps: int, extra: list[str], scratch: Path) -> list[float]:
+    """Process 0's tokens/s in each window after the first."""
     workdir = scratch / f"{case}_{processes}p"
     n = 3 * steps
     argv = [
@@ -70,8 +71,7 @@ def run(case: str, processes: int, steps: int, extra: list[str], scratch: Path) 
     if any(codes):
         raise SystemExit(f"error: train.py exited with {codes} for {case} on {processes} processes")
     lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    windows = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]
-    return float(np.mean(windows))
+    return [m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]
 
 
 def main() -> None:
@@ -82,8 +82,10 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="config overrides (e.g. the mesh)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        tokens_per_s = run(args.case, args.processes, args.steps, args.set, Path(scratch))
-    print(f"| {args.case} | `{' '.join(args.set)}` | {args.processes} | {tokens_per_s:,.0f} |")
+        windows = run(args.case, args.processes, args.steps, args.set, Path(scratch))
+    each = ", ".join(f"{w:,.0f}" for w in windows)
+    mean = np.mean(windows)
+    print(f"| {args.case} | `{' '.join(args.set)}` | {args.processes} | {mean:,.0f} | {each} |")
 
 
 if __name__ == "__main__":
