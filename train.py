@@ -62,12 +62,11 @@ class Trainer:
     def __init__(self, cfg: config_lib.Config, workdir: Path, mesh):
         self.cfg, self.workdir, self.mesh = cfg, workdir, mesh
         graphdef, abstract = nnx.split(checkpoint.abstract_model(cfg.model), nnx.Param)
-        sharding.check_param_splits(abstract, mesh, self.rules)
-        param_sh = sharding.param_shardings_dict(abstract, mesh, self.rules)
+        param_sh, update_sh = training.param_and_update_shardings(abstract, mesh, cfg.mesh)
         tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
         init = functools.partial(training.init_state, tx=tx, seed=cfg.seed)
         shape = jax.eval_shape(init, nnx.to_pure_dict(abstract))
-        state_sh = training.state_shardings(shape, param_sh, tx, mesh)
+        state_sh = training.state_shardings(shape, param_sh, tx, mesh, update_sh)
         self.manager = checkpoint.train_checkpointer(workdir, cfg.train.keep_checkpoints)
         self.rows = _process_rows(cfg, mesh, self.rules)
         self.iterator = iter(pipeline.train_dataset(cfg, str(workdir), self.rows))
@@ -92,6 +91,7 @@ class Trainer:
             tx=tx,
             rank_loss_weight=cfg.model.sparse.rank_loss_weight,
             lr=optim.learning_rate(cfg.optim, cfg.train.num_steps),
+            update_shardings=update_sh,
         )
         self.step_fn = jax.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
         self.eval_fn = jax.jit(functools.partial(training.eval_step, graphdef=graphdef))

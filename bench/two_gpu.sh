@@ -6,9 +6,9 @@
 #
 # PHASE: dp_tp     Mamba-2 130M, 8 x 2048 a GPU: one GPU (profile, optimized HLO), data=2 (HLO),
 #                  tensor=2, data=2 with FSDP, data=2 with 16 MiB all-reduces and XLA's
-#                  latency-hiding scheduler (PROFILE=N: list N kernels, default 60);  dp: the same
-#                  without tensor=2 and FSDP, then one GPU again;  dp_flags: one GPU, data=2 under
-#                  XLA flags for the gradient all-reduces
+#                  latency-hiding scheduler, data=2 with mesh.shard_optimizer (PROFILE=N: list N
+#                  kernels, default 60);  dp: the same without tensor=2 and FSDP, then one GPU
+#                  again;  dp_flags: one GPU, data=2 under XLA flags for the gradient all-reduces
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
@@ -53,6 +53,9 @@ data_parallel() {  # one GPU and data=2 at 8 x 2048 a GPU (the dp and dp_tp phas
     XLA_FLAGS="$lhs_flags --xla_gpu_all_reduce_combine_threshold_bytes=16777216" \
         run data2_lhs_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
         --set mesh.data=2 data.batch_size=16
+    # The AdamW moments and the update split over "data" (ZeRO-1).
+    run data2_shard_optimizer_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
+        --set mesh.data=2 mesh.shard_optimizer=true data.batch_size=16
 }
 
 case $phase in

@@ -144,6 +144,10 @@ class MeshConfig:
     seq: int = 1  # sequence sharding of activations
     tensor: int = 1  # d_inner / heads / vocab sharding
     fsdp: bool = False  # also shard parameters' d_model axis over "data" (FSDP as a rule change)
+    # Split the AdamW moments and the update over "data" as FSDP splits parameters, keeping the
+    # parameters whole (ZeRO-1): gradients are reduce-scattered, each device updates its slice,
+    # the new parameters are gathered. Implied by fsdp.
+    shard_optimizer: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hax_jax import checkpoint, optim
+from hax_jax import checkpoint, optim, sharding
 from hax_jax import config as config_lib
 from hax_jax.loss import chunk_count, token_nll_chunked
 from hax_jax.models.lm import LanguageModel, rank_loss_sum
@@ -84,16 +84,23 @@ def train_step(
     tx: optax.GradientTransformation,
     rank_loss_weight: float,
     lr: optax.Schedule,
+    update_shardings: dict | None = None,
 ):
     """One AdamW step; a non-finite loss or gradient leaves the state as it was and unhealthy.
 
     Its metrics include `lr`, the value of `tx`'s schedule `lr` at this update, computed here: in
     train.py's loop it was a small program of its own, queued on the device behind the next step,
     so reading it stalled the loop (train.py reads a step's metrics after dispatching the next).
+
+    `update_shardings` (mesh.shard_optimizer; those of the AdamW moments) split the gradients
+    before the update: XLA reduces them by reduce-scatter instead of all-reduce, and each device
+    updates only its slice of the parameters; the state's out_shardings gather them whole.
     """
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, metrics), grads = grad_fn(state.params, graphdef, batch, rng, rank_loss_weight)
+    if update_shardings is not None:
+        grads = jax.lax.with_sharding_constraint(grads, update_shardings)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
@@ -149,11 +156,29 @@ def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
     return checkpoint.init_from(cfg.train.init_from, params, target, cfg.model)
 
 
-def state_shardings(state_shape, param_shardings: dict, tx, mesh):
-    """Shardings of the TrainState: optimizer moments follow their parameters, scalars
-    replicated."""
+def param_and_update_shardings(abstract_params, mesh, mesh_cfg) -> tuple[dict, dict | None]:
+    """(the parameters' shardings, the optimizer update's or None where they are the same) as pure
+    dicts, each checked to split what it is asked to. Under mesh.shard_optimizer without FSDP the
+    update splits the parameters' d_model axis ("embed") over "data", as FSDP splits parameters."""
+    params = _checked_shardings(abstract_params, mesh, fsdp=mesh_cfg.fsdp)
+    if mesh_cfg.fsdp or not mesh_cfg.shard_optimizer:
+        return params, None
+    return params, _checked_shardings(abstract_params, mesh, fsdp=True)
+
+
+def _checked_shardings(abstract_params, mesh, *, fsdp: bool) -> dict:
+    """The parameters' shardings under the rules (FSDP's or not), as a pure dict."""
+    rules = sharding.rules(fsdp=fsdp)
+    sharding.check_param_splits(abstract_params, mesh, rules)
+    return sharding.param_shardings_dict(abstract_params, mesh, rules)
+
+
+def state_shardings(state_shape, param_shardings: dict, tx, mesh, update_shardings=None):
+    """Shardings of the TrainState: optimizer moments follow `update_shardings` (default: their
+    parameters'), scalars replicated."""
     replicated = NamedSharding(mesh, P())
-    opt = optim.opt_state_shardings(tx, state_shape.opt_state, param_shardings, replicated)
+    moments = param_shardings if update_shardings is None else update_shardings
+    opt = optim.opt_state_shardings(tx, state_shape.opt_state, moments, replicated)
     return TrainState(
         step=replicated, params=param_shardings, opt_state=opt, rng=replicated, healthy=replicated
     )

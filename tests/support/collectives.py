@@ -1,6 +1,8 @@
 """The LM training step (loss + gradients) on abstract sharded inputs, and the collectives of its
 compiled program, read from optimized HLO."""
 
+import collections
+import math
 import re
 
 import jax
@@ -67,3 +69,12 @@ def arrays(collectives: list[tuple[str, str]]) -> list[tuple[str, tuple[int, ...
         for kind, shape in collectives
         for m in ARRAY.finditer(re.sub(r"\{.*?\}", "", shape))
     ]
+
+
+def elements_by_kind(hlo: str) -> collections.Counter:
+    """{kind: elements of all the arrays its collectives move} in optimized HLO text."""
+    found = [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
+    totals = collections.Counter()
+    for kind, shape in arrays(found):
+        totals[kind] += math.prod(shape)
+    return totals
