@@ -145,8 +145,8 @@ class MeshConfig:
     tensor: int = 1  # d_inner / heads / vocab sharding
     fsdp: bool = False  # also shard parameters' d_model axis over "data" (FSDP as a rule change)
     # Split the AdamW moments and the update over "data" as FSDP splits parameters, keeping the
-    # parameters whole (ZeRO-1): gradients are reduce-scattered, each device updates its slice,
-    # the new parameters are gathered. Implied by fsdp.
+    # parameters whole (ZeRO-1): each device updates its slice of the gradients, the new
+    # parameters are gathered. Implied by fsdp.
     shard_optimizer: bool = False
 
 

@@ -89,12 +89,14 @@ def train_step(
     """One AdamW step; a non-finite loss or gradient leaves the state as it was and unhealthy.
 
     Its metrics include `lr`, the value of `tx`'s schedule `lr` at this update, computed here: in
-    train.py's loop it was a small program of its own, queued on the device behind the next step,
-    so reading it stalled the loop (train.py reads a step's metrics after dispatching the next).
+    train.py's loop it would be a small program of its own, queued on the device behind the next
+    step, so reading it would stall the loop (which reads a step's metrics after dispatching the
+    next).
 
     `update_shardings` (mesh.shard_optimizer; those of the AdamW moments) split the gradients
-    before the update: XLA reduces them by reduce-scatter instead of all-reduce, and each device
-    updates only its slice of the parameters; the state's out_shardings gather them whole.
+    before the update, so each device updates only its slice of the parameters, and the state's
+    out_shardings gather them whole. XLA may then reduce the gradients by reduce-scatter (the GPU
+    backend does for FSDP's same pattern; the CPU backend all-reduces and slices).
     """
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
