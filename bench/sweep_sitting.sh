@@ -13,6 +13,10 @@ set -uo pipefail
 seconds=${1:?seconds}
 out=${2:?output directory}
 shift 2
+if [[ ! $seconds =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: SECONDS must be a positive whole number of seconds, got '$seconds'" >&2
+    exit 2
+fi
 mkdir -p runs "$out"
 if compgen -G "runs/sweep.tgz.part-*" >/dev/null; then
     cat runs/sweep.tgz.part-* | tar xzf - -C runs || exit 1

@@ -104,8 +104,9 @@ dp_flags)
     ;;
 tp_2_7b | tp_1_3b)
     size=${phase#tp_}
-    [[ ${LHS:-0} == 1 ]] && export XLA_FLAGS="$lhs_flags"
-    run "tensor2_$size${XLA_FLAGS:+_lhs}" 500 $tp --cases "lm_mamba2_$size" --steps 10 --no-e2e --collectives \
+    suffix=""
+    if [[ ${LHS:-0} == 1 ]]; then export XLA_FLAGS="$lhs_flags"; suffix=_lhs; fi
+    run "tensor2_$size$suffix" 500 $tp --cases "lm_mamba2_$size" --steps 10 --no-e2e --collectives \
         --set $big mesh.data=1 mesh.tensor=2
     ;;
 procs)

@@ -59,6 +59,11 @@ def step_collectives(
     step, params, tokens, mesh = sharded_step(cfg, mesh_cfg, batch, length, tokens_spec)
     with jax.set_mesh(mesh):
         hlo = step.lower(params, tokens).compile().as_text()
+    return collectives_of(hlo)
+
+
+def collectives_of(hlo: str) -> list[tuple[str, str]]:
+    """(kind, result shape) of every collective in optimized HLO text."""
     return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
 
 
@@ -73,8 +78,7 @@ def arrays(collectives: list[tuple[str, str]]) -> list[tuple[str, tuple[int, ...
 
 def elements_by_kind(hlo: str) -> collections.Counter:
     """{kind: elements of all the arrays its collectives move} in optimized HLO text."""
-    found = [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
     totals = collections.Counter()
-    for kind, shape in arrays(found):
+    for kind, shape in arrays(collectives_of(hlo)):
         totals[kind] += math.prod(shape)
     return totals
