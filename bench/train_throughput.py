@@ -107,7 +107,8 @@ def measure(
         batch = trainer.batch(next(trainer.iterator))
         state = trainer.state
         if collectives or hlo_dir:
-            hlo = trainer.step_fn.lower(state, batch).compile().as_text()
+            compiled = trainer.step_fn.lower(state, batch).compile()
+            hlo = compiled.as_text()
         if hlo_dir:
             Path(hlo_dir).mkdir(parents=True, exist_ok=True)
             (Path(hlo_dir) / f"{name}.hlo.txt").write_text(hlo)
@@ -115,6 +116,18 @@ def measure(
             print(f"collectives of one {name} step ({' '.join(extra)}):")
             for kind, (count, size) in timing.collectives_by_kind(hlo).items():
                 print(f"  {kind:20s} {count:5d}  {size / 2**20:10.2f} MiB")
+            # XLA's own account of one device's buffers (the allocator's peak below also holds
+            # what compiling and autotuning allocated).
+            memory = compiled.memory_analysis()
+            if memory is not None:
+                sizes = {
+                    "arguments": memory.argument_size_in_bytes,
+                    "outputs": memory.output_size_in_bytes,
+                    "aliased": memory.alias_size_in_bytes,
+                    "temporaries": memory.temp_size_in_bytes,
+                }
+                listed = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sizes.items())
+                print(f"memory of one {name} step per device: {listed}")
         start = time.perf_counter()
         state, metrics = trainer.step_fn(state, batch)
         jax.block_until_ready(metrics)

@@ -7,17 +7,17 @@ the specs agree with the activations' constraints): batch over "data", channels 
 "tensor", and, for an op that handles it ("seq_aware"), positions over "seq" in contiguous shards.
 
 A sequence-aware op runs on its shard as on one device and passes what the recurrence carries
-(Mamba-2 paper §8.2; recurrentgemma's multi-shard correction): every shard scans from a zero state,
-the shards' (decay, final state) pairs are combined by an exclusive prefix over "seq" (one small
-all-gather: `incoming_states`), and each shard adds the incoming state's contribution. The conv
-takes a halo of its width - 1 inputs from the previous shard (`from_previous_shard`). Only states
-and halos travel; no activation is gathered over "seq".
+(Mamba-2 paper §8.2): each shard's state from a zero start and its total decay are combined by an
+exclusive prefix over "seq" (one small all-gather: `incoming_states`), and each shard then scans
+from its incoming state. The conv takes a halo of its width - 1 inputs from the previous shard
+(`from_previous_shard`). Only states and halos travel; no activation is gathered over "seq".
 """
 
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
 from hax_jax.sharding import current_mesh, logical_to_spec
@@ -28,6 +28,15 @@ from pallas_kernels.ssd import ssd
 
 SEQ = "seq"
 Names = Sequence[str | None]  # one logical name per axis of an array
+# What a shard receives from the others (halos, passed states, carried keys) is named so that a
+# rematerialised block keeps it (`jax.checkpoint_policies.save_only_these_names(CARRIED)`): the
+# backward's recompute then reruns no collective, and what it keeps is a few states per block.
+CARRIED = "carried_between_shards"
+
+
+def received(x: jax.Array) -> jax.Array:
+    """x, named as received from other shards (what a rematerialised block keeps)."""
+    return checkpoint_name(x, CARRIED)
 
 
 def op_mesh(seq_aware: bool = False) -> jax.sharding.AbstractMesh | None:
@@ -161,7 +170,7 @@ def from_previous_shard(tail: jax.Array, first: jax.Array) -> jax.Array:
     shards = seq_shards()
     if shards == 1:
         return first
-    moved = jax.lax.ppermute(tail, SEQ, [(s, s + 1) for s in range(shards - 1)])
+    moved = received(jax.lax.ppermute(tail, SEQ, [(s, s + 1) for s in range(shards - 1)]))
     return jnp.where(jax.lax.axis_index(SEQ) == 0, first, moved)
 
 
@@ -189,7 +198,7 @@ def incoming_states(
         return h, decay * h + final
     # One all-gather of both (flattened side by side): one collective per scan, not two.
     packed = jnp.concatenate([decay.astype(final.dtype).reshape(-1), final.reshape(-1)])
-    packed = jax.lax.all_gather(packed, SEQ)
+    packed = received(jax.lax.all_gather(packed, SEQ))
     decays = packed[:, : decay.size].reshape(shards, *decay.shape)
     finals = packed[:, decay.size :].reshape(shards, *final.shape)
     entering = []
@@ -207,10 +216,10 @@ def ssd_sequence_parallel(
 ) -> tuple[jax.Array, jax.Array]:
     """`pallas_kernels.ssd` (y, final state) of this shard of the sequence, exact to one device.
 
-    Mamba-2 paper §8.2: the shard runs SSD from a zero state (its kernels as on one device); the
-    incoming state h_in (`incoming_states` over the shards' total decays and final states) adds
-    y_t += exp(sum_{s<=t} dt_s A) C_t h_in at the positions t still in the document the previous
-    shard ended in (`seq_idx`: a boundary inside or at the edge of the shard cuts it off)."""
+    Mamba-2 paper §8.2: the state this shard would end in from a zero start is one matmul over
+    its positions (`_state_from_zero`); `incoming_states` passes the shards' (total decay, that
+    state) pairs; the kernels then run the shard once from the incoming state, as on one device.
+    A document that starts at the shard's first position (`seq_idx`) takes no incoming state."""
     kwargs = dict(
         chunk_size=chunk_size,
         D=D,
@@ -221,17 +230,39 @@ def ssd_sequence_parallel(
     )
     if seq_shards() == 1:
         return ssd(x, dt, A, B, C, initial_state=initial_state, **kwargs)
-    y, final = ssd(x, dt, A, B, C, **kwargs)
+    b, l = x.shape[:2]
+    continues_bl = _continues_document(seq_idx, b, l)
+    log_decay_bh = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)
+    decay_bh = jnp.exp(log_decay_bh) * continues_bl[:, -1:]
+    final = _state_from_zero(x, dt, A, B, seq_idx)
+    h_in, h_final = incoming_states(decay_bh[..., None, None], final, initial_state)
+    h_in = h_in * continues_bl[:, 0, None, None, None]
+    y, _ = ssd(x, dt, A, B, C, initial_state=h_in, **kwargs)
+    return y, h_final
+
+
+def _state_from_zero(x, dt, A, B, seq_idx) -> jax.Array:
+    """(b, h, p, n) fp32: the SSD state after these positions from a zero state,
+
+        sum_t exp(sum_{s > t} dt_s A) dt_t x_t B_t^T   over t in the last document (seq_idx),
+
+    one matmul over positions (weights in fp32; the matmul in x's dtype, fp32 accumulation, as the
+    kernels compute chunk states)."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
-    log_decay_blh = jnp.cumsum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)
-    decay_blh = jnp.exp(log_decay_blh) * _continues_document(seq_idx, b, l)[..., None]
-    h_in, h_final = incoming_states(decay_blh[:, -1, :, None, None], final, initial_state)
-    # The matmul in C's dtype with fp32 accumulation, as the SSD kernels read passed states.
-    h_in_bgrpn = h_in.reshape(b, g, h // g, p, n).astype(C.dtype)
-    y_in_blgrp = jnp.einsum("blgn,bgrpn->blgrp", C, h_in_bgrpn, preferred_element_type=jnp.float32)
-    y_in_blhp = y_in_blgrp.reshape(b, l, h, p) * decay_blh[..., None]
-    return (y.astype(jnp.float32) + y_in_blhp).astype(y.dtype), h_final
+    dta_blh = dt.astype(jnp.float32) * A.astype(jnp.float32)
+    # sum_{s > t}: a cumulative sum from the end, so the weights near the end are exact in fp32.
+    from_end_blh = jnp.cumsum(dta_blh[:, ::-1], axis=1)[:, ::-1]
+    after_blh = jnp.concatenate([from_end_blh[:, 1:], jnp.zeros_like(dta_blh[:, :1])], axis=1)
+    weight_blh = jnp.exp(after_blh) * dt.astype(jnp.float32)
+    if seq_idx is not None:
+        weight_blh = weight_blh * (seq_idx == seq_idx[:, -1:])[..., None]
+    xw_blgrp = (x.astype(jnp.float32) * weight_blh[..., None]).astype(x.dtype)
+    xw_blgrp = xw_blgrp.reshape(b, l, g, h // g, p)
+    state_bgrpn = jnp.einsum(
+        "blgrp,blgn->bgrpn", xw_blgrp, B.astype(x.dtype), preferred_element_type=jnp.float32
+    )
+    return state_bgrpn.reshape(b, h, p, n)
 
 
 def selective_scan_sequence_parallel(
@@ -359,7 +390,7 @@ def sparse_attention_sequence_parallel(
     kv = jnp.concatenate([summary.k, summary.v.astype(summary.k.dtype)], axis=-1)
     ints = jnp.stack([summary.pos] + ([] if bucket_k is None else [summary.bucket]), axis=-1)
     ints, score, kv = (
-        jax.lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (ints, summary.score, kv)
+        received(jax.lax.all_gather(x, SEQ, axis=1, tiled=True)) for x in (ints, summary.score, kv)
     )
     gathered = carry.Summary(
         ints[..., 0],

@@ -89,23 +89,38 @@ def conv_shard(x, kernel, bias, state, seq_idx):
 
 def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None):
     """y_t = bias + sum_j kernel[j] x_{t - (k-1) + j} over [state | x] (b, k - 1 + l, c), with
-    taps across a change of seq_idx (state_seq_idx: the window's documents) zeroed."""
+    taps across a change of seq_idx (state_seq_idx: the window's documents) zeroed.
+
+    Computed as x's conv after k - 1 zeros (a pad XLA reads in place) plus the window's taps on
+    the first k - 1 outputs: [state | x] itself is never built, which for a halo from the
+    previous shard cost a copy of x per layer (6.7 ms of a 97 ms step at 1 x 32768, seq = 2)."""
     b, l, c = x.shape
     k = kernel.shape[0]
-    xp = jnp.concatenate([state.astype(x.dtype), x], axis=1).astype(jnp.float32)
+    m = min(l, k - 1)  # outputs whose window reaches into the state
     kernel = kernel.astype(jnp.float32)
+    xp = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0))).astype(jnp.float32)
+    sp = jnp.pad(state.astype(x.dtype), ((0, 0), (0, m), (0, 0))).astype(jnp.float32)
     if seq_idx is not None:
         seq_p = jnp.concatenate([state_seq_idx, seq_idx], axis=1)
     y = jnp.zeros((b, l, c), jnp.float32)
+    y_state = jnp.zeros((b, m, c), jnp.float32)
     for j in range(k):  # tap j reads x_{t - (k-1) + j}
         tap = xp[:, j : j + l] * kernel[j]
+        tap_state = sp[:, j : j + m] * kernel[j]
         if seq_idx is not None:
-            tap = jnp.where((seq_p[:, j : j + l] == seq_idx)[..., None], tap, 0.0)
+            same = (seq_p[:, j : j + l] == seq_idx)[..., None]
+            tap = jnp.where(same, tap, 0.0)
+            tap_state = jnp.where(same[:, :m], tap_state, 0.0)
         y = y + tap
+        y_state = y_state + tap_state
+    y = y + jnp.pad(y_state, ((0, 0), (0, l - m), (0, 0)))
     if bias is not None:
         y = y + bias
-    new_state = xp[:, xp.shape[1] - (k - 1) :]
+    if l >= k - 1:
+        new_state = x[:, l - (k - 1) :]
+    else:
+        new_state = jnp.concatenate([state.astype(x.dtype)[:, l:], x], axis=1)
     if seq_idx is not None:  # the next token continues the last document only
         keep = seq_p[:, seq_p.shape[1] - (k - 1) :] == seq_idx[:, -1:]
-        new_state = jnp.where(keep[..., None], new_state, 0.0)
+        new_state = jnp.where(keep[..., None], new_state, 0)
     return y.astype(x.dtype), new_state.astype(x.dtype)

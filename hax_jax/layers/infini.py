@@ -39,7 +39,7 @@ from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers import init
 from hax_jax.layers.attention import attend
 from hax_jax.layers.rope import apply_rope
-from hax_jax.parallel import SEQ, incoming_states, per_device, seq_shards
+from hax_jax.parallel import SEQ, incoming_states, per_device, received, seq_shards
 
 EPS = 1e-6  # the retrieval denominator's guard (see the module docstring)
 HEADS = ("batch", "seq", "heads", None)  # q, k, v, outputs: (b, l, h, head_dim)
@@ -305,7 +305,7 @@ def _incoming_affine(trans: jax.Array, offset: jax.Array) -> tuple[jax.Array, ja
     """`incoming_states` for matrix maps M -> trans @ M + offset ((..., k, k), (..., k, v)) from
     M = 0: one all-gather of the shards' maps, then S compositions on every shard."""
     k = trans.shape[-1]
-    packed = jax.lax.all_gather(jnp.concatenate([trans, offset], axis=-1), SEQ)
+    packed = received(jax.lax.all_gather(jnp.concatenate([trans, offset], axis=-1), SEQ))
     mem, entering = jnp.zeros_like(offset), []
     for s in range(seq_shards()):
         entering.append(mem)

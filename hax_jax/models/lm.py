@@ -8,6 +8,7 @@ from flax import nnx
 from hax_jax.config import DEFAULT_CAPACITY, REMAT_MIN_LEN, ModelConfig
 from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
+from hax_jax.parallel import CARRIED
 from hax_jax.sharding import linear_axes, shard
 
 
@@ -25,12 +26,13 @@ def _block(layer: ResidualBlock, x, cache, seq_idx, mask, rng):
     return layer(x, cache=cache, seq_idx=seq_idx, mask=mask, rng=rng)
 
 
-# Saves nothing inside a block: the backward keeps each block's input (the residual stream,
-# b x l x d) and recomputes the block. Saving the matmul outputs too
+# Saves inside a block only what it received from other sequence shards (small: states, halos,
+# carried keys), so the recompute runs no collective: the backward keeps each block's input (the
+# residual stream, b x l x d) and recomputes the rest. Saving the matmul outputs too
 # (dots_with_no_batch_dims_saveable) would keep in_proj's outputs (b, l, 2e + 2gn + h), several
 # times the residual, at every layer: the memory remat is there to save.
 # nnx.remat (not jax.checkpoint) carries the sown ranking loss out to nnx.capture.
-_remat_block = nnx.remat(_block, policy=jax.checkpoint_policies.nothing_saveable)
+_remat_block = nnx.remat(_block, policy=jax.checkpoint_policies.save_only_these_names(CARRIED))
 
 
 class LanguageModel(nnx.Module):

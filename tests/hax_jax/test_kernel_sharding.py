@@ -149,10 +149,12 @@ def test_auto_runs_the_kernels_per_device(traced_on, kind, platform, mesh, kerne
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mesh_sizes", [(1, 1, 2), (1, 2, 1)], ids=["tensor2", "seq2"])
 @pytest.mark.parametrize("kind", ["mamba2", "mamba"])
-def test_auto_runs_the_compiled_kernels_per_gpu(kind):
-    """On 2 GPUs, impl="auto" (the compiled Triton kernels) inside shard_map over tensor = 2
-    gives the one-GPU values and gradients."""
+def test_auto_runs_the_compiled_kernels_per_gpu(kind, mesh_sizes):
+    """On 2 GPUs, impl="auto" (the compiled Triton kernels) inside shard_map over tensor = 2, or
+    over seq = 2 with the states passed between the shards, gives the one-GPU values and
+    gradients."""
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         pytest.skip("needs 2 GPUs")
@@ -168,7 +170,8 @@ def test_auto_runs_the_compiled_kernels_per_gpu(kind):
     mixer = perturbed(MIXERS[kind](cfg, rngs=nnx.Rngs(0)), seed=7, scale=0.2)
     u = random_inputs(b=2, l=256, d=64)
     y_ref, dp_ref, du_ref = _loss_and_grads(mixer, u)
-    mesh = sharding.make_mesh(MeshConfig(data=1, seq=1, tensor=2), gpus[:2])
+    data, seq, tensor = mesh_sizes
+    mesh = sharding.make_mesh(MeshConfig(data=data, seq=seq, tensor=tensor), gpus[:2])
     replicated = NamedSharding(mesh, PartitionSpec())
     graphdef, state = nnx.split(mixer)
     mixer = nnx.merge(graphdef, jax.device_put(state, replicated))

@@ -3,11 +3,13 @@ block, none of them moving a whole sequence (only states, halos and carries trav
 
 Counted in the optimized HLO of value_and_grad of a tiny Mamba-2 LM under data x seq = 1 x 2 on
 the simulated CPU devices of tests/conftest.py, without and with a HAX branch (lsh+ks, ranking
-loss included); one block's count is the difference between a
-2-layer and a 1-layer model, so the loss's and the optimizer's own collectives cancel.
+loss included), also with every block rematerialised (model.remat="block"); one block's count is
+the difference between a 2-layer and a 1-layer model, so the loss's and the optimizer's own
+collectives cancel.
 """
 
 import collections
+import functools
 import re
 
 import pytest
@@ -20,7 +22,7 @@ from tests.support.collectives import step_collectives
 L, D_CONV, CHUNK, SHARDS = 1024, 4, 8, 2
 
 
-def _step_collectives(n_layer: int, sparse: str) -> list[tuple[str, str]]:
+def _step_collectives(n_layer: int, sparse: str, remat: str) -> list[tuple[str, str]]:
     """(kind, result shape) of every collective of the step under data x seq = 1 x 2."""
     cfg = ModelConfig(
         d_model=40,
@@ -29,6 +31,7 @@ def _step_collectives(n_layer: int, sparse: str) -> list[tuple[str, str]]:
         block_pattern=("mamba2",),
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=CHUNK, d_conv=D_CONV),
         sparse=SparseConfig(pattern=sparse, num_keys=16, hash_bits=3, max_len=L),
+        remat=remat,
     )
     return step_collectives(cfg, MeshConfig(data=1, seq=SHARDS, tensor=1), 1, L, P(None, "seq"))
 
@@ -41,9 +44,15 @@ def _step_collectives(n_layer: int, sparse: str) -> list[tuple[str, str]]:
 MOST_PER_BLOCK = {"": 4, "lsh+ks": 11}
 
 
+@functools.cache
+def _per_block(sparse: str, remat: str) -> dict[str, list[tuple[str, str]]]:
+    """{1: the 1-layer step's collectives, 2: the 2-layer step's}."""
+    return {n: _step_collectives(n, sparse, remat) for n in (1, 2)}
+
+
 @pytest.fixture(scope="module", params=list(MOST_PER_BLOCK))
 def collectives(request):
-    return request.param, {n: _step_collectives(n, request.param) for n in (1, 2)}
+    return request.param, _per_block(request.param, "none")
 
 
 def test_a_handful_of_collectives_per_block(collectives):
@@ -68,3 +77,18 @@ def test_no_collective_moves_a_sequence(collectives):
         assert not lengths & set(dims), (kind, shape)
         if kind == "collective-permute":
             assert D_CONV - 1 in dims, shape
+
+
+@pytest.mark.parametrize("sparse", list(MOST_PER_BLOCK))
+def test_the_recompute_runs_no_collective(sparse):
+    """With every block rematerialised the forward's collectives (halos, passed states, carried
+    keys: all-gathers and collective-permutes) run once, not again in the backward's recompute:
+    the block keeps what it received (hax_jax.parallel.CARRIED)."""
+
+    def forward_kinds(remat):
+        by_layers = _per_block(sparse, remat)
+        count = collections.Counter(k for k, _ in by_layers[2])
+        count.subtract(k for k, _ in by_layers[1])
+        return {k: count[k] for k in ("all-gather", "collective-permute")}
+
+    assert forward_kinds("block") == forward_kinds("none")
