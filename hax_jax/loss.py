@@ -31,8 +31,10 @@ def chunk_count(shape_blv: tuple[int, int, int], loss_chunk: int) -> int:
     """Chunks of positions per row for logits of `shape_blv` (b, l, v) (1 = whole rows).
 
     `loss_chunk` > 0 caps the positions per row in a chunk; 0 (auto) takes the fewest power-of-two
-    chunks whose fp32 logits on one device (under the current mesh) fit in LOGITS_BUDGET. Powers of
-    two keep a power-of-two row divisible, so the chunks need no padding.
+    chunks whose fp32 logits fit in LOGITS_BUDGET on one device, counted over a row's positions
+    whether or not "seq" splits them: a split sequence keeps one device's chunks, each spread over
+    the shards, so its logits shrink with the shards as its activations do. Powers of two keep a
+    power-of-two row divisible, so the chunks need no padding.
     """
     b, l, v = shape_blv
     if loss_chunk:
@@ -40,8 +42,8 @@ def chunk_count(shape_blv: tuple[int, int, int], loss_chunk: int) -> int:
     mesh = current_mesh()
     split = 1
     if mesh is not None:
-        spec = logical_to_spec(("batch", "seq", "vocab"), shape_blv, mesh)
-        split = math.prod(mesh.shape[axis] for axis in spec if axis is not None)
+        batch, _, vocab = logical_to_spec(("batch", "seq", "vocab"), shape_blv, mesh)
+        split = math.prod(mesh.shape[axis] for axis in (batch, vocab) if axis is not None)
     per_device = 4 * b * l * v // split
     n = 1
     while per_device > n * LOGITS_BUDGET and n < l:

@@ -212,9 +212,11 @@ def test_chunk_count(monkeypatch):
     assert hax_jax.loss.chunk_count((2, 3, 64), 0) == 3  # never more chunks than positions
     monkeypatch.setattr(hax_jax.loss, "LOGITS_BUDGET", 4 * 2 * 32 * 64 // 5)
     mesh = sharding.make_mesh(MeshConfig(data=2, seq=2, tensor=2), CPUS)
-    with jax.set_mesh(mesh):  # per device: an eighth of the logits
-        assert hax_jax.loss.chunk_count((2, 32, 64), 0) == 1
-        assert hax_jax.loss.chunk_count((2, 32, 63), 0) == 2  # an odd vocab stays whole
+    with jax.set_mesh(mesh):  # per (data, tensor) shard a quarter: seq shards split each chunk
+        assert hax_jax.loss.chunk_count((2, 32, 64), 0) == 2
+        assert hax_jax.loss.chunk_count((2, 32, 63), 0) == 4  # an odd vocab stays whole
+    with jax.set_mesh(sharding.make_mesh(MeshConfig(data=1, seq=2, tensor=1), CPUS)):
+        assert hax_jax.loss.chunk_count((2, 32, 64), 0) == 8  # one device's chunks
 
 
 def test_chunked_loss_never_holds_tokens_by_vocab_logits():
