@@ -144,9 +144,9 @@ class MeshConfig:
     seq: int = 1  # sequence sharding of activations
     tensor: int = 1  # d_inner / heads / vocab sharding
     fsdp: bool = False  # also shard parameters' d_model axis over "data" (FSDP as a rule change)
-    # Split the AdamW moments and the update over "data" as FSDP splits parameters, keeping the
-    # parameters whole (ZeRO-1): each device updates its slice of the gradients, the new
-    # parameters are gathered. Implied by fsdp.
+    # Split the AdamW moments and the update over "data" and "seq" (d_model, as FSDP splits
+    # parameters), keeping the parameters whole (ZeRO-1): each device updates its slice of the
+    # gradients, the new parameters are gathered. fsdp implies it over "data".
     shard_optimizer: bool = False
 
 

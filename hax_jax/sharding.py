@@ -37,8 +37,13 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("state", None),  # d_state, dt rank, conv taps, scorer widths: small, replicated
 )
 FSDP_RULES = tuple((name, "data" if name == "embed" else axis) for name, axis in RULES)
+# mesh.shard_optimizer: the AdamW moments and the update split d_model over every axis the
+# gradients are summed over ("data" and "seq": each device of either holds a whole replica).
+OPTIMIZER_RULES = tuple(
+    (name, ("data", "seq") if name == "embed" else axis) for name, axis in RULES
+)
 
-Rules = Sequence[tuple[str, str | None]]
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
 def rules(fsdp: bool = False) -> tuple[tuple[str, str | None], ...]:
@@ -158,13 +163,19 @@ def logical_to_spec(
     for name, size in zip(names, shape):
         if name is not None and name not in table:
             raise ValueError(f"unknown logical axis {name!r}; the rules name {tuple(table)}")
-        axis = None if name is None else table[name]
-        if axis is None or axis in used or sizes.get(axis, 1) == 1 or size % sizes[axis]:
+        axes = _split_axes(None if name is None else table[name], sizes)
+        if not axes or used & set(axes) or size % math.prod(sizes[a] for a in axes):
             spec.append(None)
             continue
-        used.add(axis)
-        spec.append(axis)
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
+
+
+def _split_axes(axis: str | tuple[str, ...] | None, sizes: dict) -> tuple[str, ...]:
+    """The mesh axes of size > 1 among a rule's `axis` (one name or several)."""
+    names = () if axis is None else (axis,) if isinstance(axis, str) else axis
+    return tuple(a for a in names if sizes.get(a, 1) > 1)
 
 
 def _is_variable(x) -> bool:
@@ -215,10 +226,11 @@ def check_param_splits(state, mesh: Mesh, rules: Rules = RULES) -> None:
     ):
         shape = _leaf(shapes, path).shape
         for name, size in zip(names, shape, strict=True):
-            axis = table.get(name) if name is not None else None
-            if axis is not None and sizes.get(axis, 1) > 1 and size % sizes[axis] and size > 1:
+            axes = _split_axes(table.get(name) if name is not None else None, sizes)
+            if axes and size % math.prod(sizes[a] for a in axes) and size > 1:
                 where = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-                bad.append(f"{where} ({name} = {size}) over mesh.{axis}={sizes[axis]}")
+                over = " x ".join(f"mesh.{a}={sizes[a]}" for a in axes)
+                bad.append(f"{where} ({name} = {size}) over {over}")
     if bad:
         raise ValueError(
             "the mesh cannot split these parameters: "

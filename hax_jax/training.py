@@ -161,16 +161,16 @@ def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
 def param_and_update_shardings(abstract_params, mesh, mesh_cfg) -> tuple[dict, dict | None]:
     """(the parameters' shardings, the optimizer update's or None where they are the same) as pure
     dicts, each checked to split what it is asked to. Under mesh.shard_optimizer without FSDP the
-    update splits the parameters' d_model axis ("embed") over "data", as FSDP splits parameters."""
-    params = _checked_shardings(abstract_params, mesh, fsdp=mesh_cfg.fsdp)
+    update splits the parameters' d_model axis ("embed") over "data" and "seq" (OPTIMIZER_RULES),
+    as FSDP splits parameters over "data"."""
+    params = _checked_shardings(abstract_params, mesh, sharding.rules(fsdp=mesh_cfg.fsdp))
     if mesh_cfg.fsdp or not mesh_cfg.shard_optimizer:
         return params, None
-    return params, _checked_shardings(abstract_params, mesh, fsdp=True)
+    return params, _checked_shardings(abstract_params, mesh, sharding.OPTIMIZER_RULES)
 
 
-def _checked_shardings(abstract_params, mesh, *, fsdp: bool) -> dict:
-    """The parameters' shardings under the rules (FSDP's or not), as a pure dict."""
-    rules = sharding.rules(fsdp=fsdp)
+def _checked_shardings(abstract_params, mesh, rules: sharding.Rules) -> dict:
+    """The parameters' shardings under `rules`, as a pure dict."""
     sharding.check_param_splits(abstract_params, mesh, rules)
     return sharding.param_shardings_dict(abstract_params, mesh, rules)
 
