@@ -9,7 +9,8 @@
 #                  latency-hiding scheduler, data=2 with mesh.shard_optimizer (PROFILE=N: list N
 #                  kernels, default 60);  dp: the same without tensor=2 and FSDP, then one GPU
 #                  again;  dp_flags: one GPU, data=2 under XLA flags for the gradient all-reduces
-#        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2), and HAX-Mamba-2 130M 1 x 65536 on one GPU
+#        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2, seq=2 with mesh.shard_optimizer), and
+#                  HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
@@ -72,11 +73,14 @@ dp_tp)
         --set mesh.data=2 mesh.fsdp=true data.batch_size=16
     ;;
 seq)
-    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --profile 60 &
-    gpu 1 run one_gpu_hax_64k 400 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e &
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 60 &
+    gpu 1 run one_gpu_hax_64k 400 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives &
     wait
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 60 \
         --set mesh.data=1 mesh.seq=2
+    # The AdamW moments split over "seq" too: each shard held a whole replica.
+    run seq2_32k_shard_optimizer 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
+        --set mesh.data=1 mesh.seq=2 mesh.shard_optimizer=true
     ;;
 seq_hax)
     run seq2_hax_64k 500 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
