@@ -163,8 +163,10 @@ def test_no_future_leakage(kind, pattern, training):
         (y, _), _ = nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(u, rng=rng)
         return y
 
+    # One program for both positions' gradients (i is traced).
+    grad_at = jax.jit(jax.grad(lambda u, i: jnp.sum(out(u)[:, i])))
     for i in (4, 17):
-        grad = jax.grad(lambda u, i=i: jnp.sum(out(u)[:, i]))(u)
+        grad = grad_at(u, i)
         assert np.all(np.asarray(grad[:, i + 1 :]) == 0.0), (pattern, i)
         assert np.any(np.asarray(grad[:, : i + 1]) != 0.0)
         changed = u.at[:, i + 1 :].set(jax.random.normal(jax.random.key(i), u[:, i + 1 :].shape))
@@ -281,11 +283,19 @@ def test_hax_lm_trains_and_decodes():
     cfg = dataclasses.replace(_cfg("mamba2", "lsh+ks"), block_pattern=("mamba2", "mamba"))
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (2, 15), 0, cfg.vocab_size)
-    _, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
+    graphdef, state = nnx.split(model)
+    # Jitted: dispatching the model's ops one by one took longer than compiling it on CPU.
+    train = jax.jit(
+        lambda state, tokens: nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(
+            tokens, rng=jax.random.key(0)
+        )
+    )
+    _, sown = train(state, tokens)
     assert len(jax.tree.leaves(sown)) == cfg.n_layer and rank_loss_sum(sown) > 0
     full = lm_logits(model, tokens)
     decoded, _ = lm_prefill_then_decode(model, tokens, prefix=5, cache=model.init_cache(2))
     np.testing.assert_allclose(decoded, full, **TOL)
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).forward(tokens))
     with pytest.raises(ValueError, match="start from model.init_cache"):
-        _, no_branch_cache = model.forward(tokens[:, :5])
+        _, no_branch_cache = forward(state, tokens[:, :5])
         model.step(tokens[:, 5], no_branch_cache)

@@ -132,14 +132,19 @@ def _grad_jaxpr(cfg: ModelConfig, batch: dict):
     return jax.make_jaxpr(lambda p: grad(p, graphdef, batch, jax.random.key(5), ALPHA))(params)
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """_loss_grads_eval of CFG (no remat, whole rows) on _batch(): the numbers every remat and
+    chunking variant must equal, compiled once for the module."""
+    return _loss_grads_eval(CFG, _batch())
+
+
 # ----------------------------------------------------------------------------- remat
 
 
-def test_remat_gives_the_same_loss_metrics_and_gradients():
-    batch = _batch()
-    want = _loss_grads_eval(CFG, batch)
-    assert float(want[1]["rank_loss"]) > 0  # the branch did sow through the blocks
-    _assert_same(_loss_grads_eval(dataclasses.replace(CFG, remat="block"), batch), want)
+def test_remat_gives_the_same_loss_metrics_and_gradients(plain):
+    assert float(plain[1]["rank_loss"]) > 0  # the branch did sow through the blocks
+    _assert_same(_loss_grads_eval(dataclasses.replace(CFG, remat="block"), _batch()), plain)
 
 
 def test_remat_is_in_the_gradient_only_when_on(monkeypatch):
@@ -179,16 +184,14 @@ def test_a_run_resumes_across_memory_settings():
 
 
 @pytest.mark.parametrize("loss_chunk", [8, 6])  # 4 chunks of 8; 6 chunks of 6 = 32 + 4 padding
-def test_chunked_loss_equals_whole_rows(loss_chunk):
-    batch = _batch()
-    want = _loss_grads_eval(CFG, batch)
-    _assert_same(_loss_grads_eval(dataclasses.replace(CFG, loss_chunk=loss_chunk), batch), want)
+def test_chunked_loss_equals_whole_rows(plain, loss_chunk):
+    _assert_same(_loss_grads_eval(dataclasses.replace(CFG, loss_chunk=loss_chunk), _batch()), plain)
 
 
-def test_whole_rows_keep_the_logits_over_the_padded_vocab():
+def test_whole_rows_keep_the_logits_over_the_padded_vocab(plain):
     # The numbers of the code before chunking: optax over model(...)'s padded_vocab_size logits.
     batch = _batch()
-    _, metrics, _, sums = _loss_grads_eval(CFG, batch)
+    _, metrics, _, sums = plain
     model = LanguageModel(CFG, rngs=nnx.Rngs(0))
     logits, _ = nnx.capture(model, nnx.Intermediate)(
         batch["inputs"], mask=batch["real"], rng=jax.random.key(5)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_runs import subprocess_xla_flags
 
 ROOT = Path(__file__).parents[2]
 # A Mamba-2 and a Mamba layer (both split over seq and tensor) on MQAR rows of 32 positions.
@@ -45,8 +46,7 @@ def _launch(script: Path, args: list[str], processes: int, logs: Path, timeout: 
     """Runs `script args` in `processes` processes of 8 // processes CPU devices each, as a user
     launches train.py; returns each process's (returncode, stderr). stderr goes to files in
     `logs` (gloo's chatter would fill a pipe and block the process)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // processes}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": subprocess_xla_flags(8 // processes)}
     if processes > 1:
         env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
         env["JAX_NUM_PROCESSES"] = str(processes)

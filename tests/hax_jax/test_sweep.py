@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_runs import TINY_JOINT_RECALL
+from tiny_runs import TINY_JOINT_RECALL, subprocess_xla_flags
 
 from hax_jax import sweep
 
@@ -28,8 +28,7 @@ TINY = [
 @pytest.fixture
 def cpu_runs(monkeypatch):
     """The runs' environment: one CPU device each (not the suite's 8 simulated ones), no GPU."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
+    monkeypatch.setenv("XLA_FLAGS", subprocess_xla_flags())
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
