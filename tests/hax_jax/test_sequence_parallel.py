@@ -2,11 +2,11 @@
 
 The SSM mixers pass their states between shards (hax_jax.parallel): the shards' (total decay,
 state from a zero start) pairs are combined over "seq" and each shard scans from its incoming
-state, the conv takes a halo from the previous shard; sliding windows take a halo of keys and values, full attention all-gathers
-them, Infini-attention passes its memory. Checked on the 8 simulated CPU devices of
-tests/conftest.py, with shards of 8 positions (several SSD chunks of 4, windows and
-sparse-attention histories crossing shard boundaries, whole Infini segments), and packed
-documents whose boundaries fall inside and at the edge of a shard.
+state, the conv takes a halo from the previous shard; sliding windows take a halo of keys and
+values, full attention all-gathers them, Infini-attention passes its memory. Checked on the 8
+simulated CPU devices of tests/conftest.py, with shards of 8 positions (several SSD chunks of 4,
+windows and sparse-attention histories crossing shard boundaries, whole Infini segments), and
+packed documents whose boundaries fall inside and at the edge of a shard.
 """
 
 import dataclasses
