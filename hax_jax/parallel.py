@@ -230,13 +230,12 @@ def ssd_sequence_parallel(
     )
     if seq_shards() == 1:
         return ssd(x, dt, A, B, C, initial_state=initial_state, **kwargs)
-    b, l = x.shape[:2]
-    continues_bl = _continues_document(seq_idx, b, l)
+    starts_in_b, stays_in_b = _continues_document(seq_idx, x.shape[0])
     log_decay_bh = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)
-    decay_bh = jnp.exp(log_decay_bh) * continues_bl[:, -1:]
+    decay_bh = jnp.exp(log_decay_bh) * stays_in_b[:, None]
     final = _state_from_zero(x, dt, A, B, seq_idx)
     h_in, h_final = incoming_states(decay_bh[..., None, None], final, initial_state)
-    h_in = h_in * continues_bl[:, 0, None, None, None]
+    h_in = h_in * starts_in_b[:, None, None, None]
     y, _ = ssd(x, dt, A, B, C, initial_state=h_in, **kwargs)
     return y, h_final
 
@@ -295,15 +294,15 @@ def selective_scan_sequence_parallel(
     return y, h_final
 
 
-def _continues_document(seq_idx: jax.Array | None, b: int, l: int) -> jax.Array:
-    """(b, l) float: 1 where every position of this shard up to t is in the document the
-    previous shard ended in (on shard 0: the row's first document, which an initial state
-    belongs to), else 0."""
+def _continues_document(seq_idx: jax.Array | None, b: int) -> tuple[jax.Array, jax.Array]:
+    """(b,) floats (starts in it, stays in it): 1 where this shard's first position, and where
+    all its positions, are in the document the previous shard ended in (on shard 0: the row's
+    first document, which an initial state belongs to), else 0."""
     if seq_idx is None:
-        return jnp.ones((b, l), jnp.float32)
+        return jnp.ones((b,), jnp.float32), jnp.ones((b,), jnp.float32)
     prev_last_b = from_previous_shard(seq_idx[:, -1], seq_idx[:, 0])
-    same_bl = (seq_idx == prev_last_b[:, None]).astype(jnp.int32)
-    return jax.lax.cummin(same_bl, axis=1).astype(jnp.float32)
+    same_bl = seq_idx == prev_last_b[:, None]
+    return same_bl[:, 0].astype(jnp.float32), jnp.all(same_bl, axis=1).astype(jnp.float32)
 
 
 def check_sequence_split(row_length: int, seq: int, mixer_kinds, chunk_size: int) -> None:
