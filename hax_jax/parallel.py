@@ -25,6 +25,7 @@ from pallas_kernels.selective_scan import selective_scan
 from pallas_kernels.sparse_attention import SparseSpec, carry, carry_pallas, sparse_attention
 from pallas_kernels.sparse_attention.ops import picks_pallas
 from pallas_kernels.ssd import ssd
+from pallas_kernels.ssd.ops import resolve_impl, ssd_shard
 
 SEQ = "seq"
 Names = Sequence[str | None]  # one logical name per axis of an array
@@ -208,6 +209,35 @@ def incoming_states(
     return jnp.stack(entering)[jax.lax.axis_index(SEQ)], h
 
 
+def incoming_state_grads(
+    decay: jax.Array, d_entering: jax.Array, d_last: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The transpose of `incoming_states`: (d state after this shard, d initial state) from each
+    shard's gradient of its entering state through its own outputs (`d_entering`) and the
+    gradient of the state after the last shard (`d_last`, summed over the shards). The state
+    after shard s enters shard s + 1, so its gradient runs backwards over the shards,
+    g_{s} = d_entering_{s+1} + decay_{s+1} g_{s+1}: one all-gather of the pairs. d initial is
+    the first shard's (zeros on the others, so a sum over shards counts it once)."""
+    shards = seq_shards()
+    if shards == 1:
+        return d_last, d_entering + decay * d_last
+    parts = (decay.astype(d_entering.dtype), d_entering, d_last.astype(d_entering.dtype))
+    packed = received(jax.lax.all_gather(jnp.concatenate([a.reshape(-1) for a in parts]), SEQ))
+    decays = packed[:, : decay.size].reshape(shards, *decay.shape)
+    d_enterings = packed[:, decay.size : decay.size + d_entering.size]
+    d_enterings = d_enterings.reshape(shards, *d_entering.shape)
+    # Summed over shards, as autodiff of `incoming_states` would (shard_map may hand the
+    # gradient of an output that is the same on every shard to one shard only).
+    g = jnp.sum(packed[:, decay.size + d_entering.size :], axis=0).reshape(d_last.shape)
+    leaving = []
+    for s in reversed(range(shards)):
+        leaving.append(g)
+        g = d_enterings[s] + decays[s] * g
+    here = jax.lax.axis_index(SEQ)
+    d_initial = jnp.where(here == 0, g, jnp.zeros_like(g))
+    return jnp.stack(leaving[::-1])[here], d_initial
+
+
 # ----------------------------------------------------------------------------- the scans
 
 
@@ -216,10 +246,15 @@ def ssd_sequence_parallel(
 ) -> tuple[jax.Array, jax.Array]:
     """`pallas_kernels.ssd` (y, final state) of this shard of the sequence, exact to one device.
 
-    Mamba-2 paper §8.2: the state this shard would end in from a zero start is one matmul over
-    its positions (`_state_from_zero`); `incoming_states` passes the shards' (total decay, that
-    state) pairs; the kernels then run the shard once from the incoming state, as on one device.
-    A document that starts at the shard's first position (`seq_idx`) takes no incoming state."""
+    Mamba-2 paper §8.2: `incoming_states` passes the shards' (total decay, state from a zero
+    start) pairs, and the kernels run the shard once from the incoming state, as on one device.
+    With the Pallas kernels (`ssd_shard`) the zero-start state is summed from the kernels' own
+    chunk states, and the exchange and its transpose (`incoming_state_grads`) run inside their
+    custom VJP; a rematerialised block's recompute reruns that forward exchange (one small
+    all-gather), since no remat policy reaches into a custom VJP. Otherwise (the portable
+    chunked path) the zero-start state is one matmul over the shard's positions
+    (`_state_from_zero`) and autodiff transposes the exchange. A document that starts at the
+    shard's first position (`seq_idx`) takes no incoming state."""
     kwargs = dict(
         chunk_size=chunk_size,
         D=D,
@@ -231,6 +266,22 @@ def ssd_sequence_parallel(
     if seq_shards() == 1:
         return ssd(x, dt, A, B, C, initial_state=initial_state, **kwargs)
     starts_in_b, stays_in_b = _continues_document(seq_idx, x.shape[0])
+    if resolve_impl(impl, x, dt, A, B, C, D, initial_state, chunk_size, None) == "pallas":
+        # The kernels' own chunk states give the zero-start state (no extra pass over x).
+        return ssd_shard(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size=chunk_size,
+            exchange=(incoming_states, incoming_state_grads),
+            keep_in=starts_in_b,
+            D=D,
+            initial_state=initial_state,
+            seq_idx=seq_idx,
+            block_sizes=block_sizes,
+        )
     log_decay_bh = jnp.sum(dt.astype(jnp.float32) * A.astype(jnp.float32), axis=1)
     decay_bh = jnp.exp(log_decay_bh) * stays_in_b[:, None]
     final = _state_from_zero(x, dt, A, B, seq_idx)

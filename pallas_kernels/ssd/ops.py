@@ -134,6 +134,20 @@ def _ssd_pallas_bwd(chunk_size, variant, sizes, interpret, residuals, cotangents
 _ssd_pallas.defvjp(_ssd_pallas_fwd, _ssd_pallas_bwd)
 
 
+def resolve_impl(impl, x, dt, A, B, C, D, initial_state, chunk_size, variant) -> str:
+    """The implementation `ssd` runs: impl itself, or for "auto" "pallas" where
+    `backend.auto_picks_pallas()` and the kernels take these arguments, else "chunked"."""
+    if impl != "auto":
+        return impl
+    if backend.auto_picks_pallas() and variant in (None, "gpu"):
+        try:
+            _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, "gpu")
+            return "pallas"
+        except ValueError:  # e.g. a chunk size Triton cannot tile: the portable path
+            pass
+    return "chunked"
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -186,14 +200,7 @@ def ssd(
     (`BlockSizes`: rows per tile, heads per backward program, warps) tunes the kernels.
     """
     _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, impl)
-    if impl == "auto":
-        impl = "chunked"
-        if backend.auto_picks_pallas() and variant in (None, "gpu"):
-            try:
-                _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, "gpu")
-                impl = "pallas"
-            except ValueError:  # e.g. a chunk size Triton cannot tile: the portable path
-                pass
+    impl = resolve_impl(impl, x, dt, A, B, C, D, initial_state, chunk_size, variant)
     kwargs = dict(
         D=D, initial_state=initial_state, return_final_state=return_final_state, seq_idx=seq_idx
     )
@@ -210,3 +217,165 @@ def ssd(
         )
         return (y, final) if return_final_state else y
     return ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **kwargs)
+
+
+# ----------------------------------------------------------------------------- one sequence shard
+
+
+def ssd_shard(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    *,
+    chunk_size,
+    exchange,
+    keep_in,
+    D=None,
+    initial_state=None,
+    seq_idx=None,
+    variant=None,
+    interpret=None,
+    block_sizes=None,
+):
+    """(y, state after the last shard): the Pallas SSD of one shard of a sequence split over
+    devices, exact to `ssd` over the whole (Mamba-2 paper section 8.2), for use inside a map over
+    the shards.
+
+    The chunk states are computed once; this shard's state from a zero start is summed from them
+    and `exchange` (a pair of functions) turns it into the state entering the shard:
+
+        forward(decay, final, initial) -> (entering, state after the last shard)
+        grads(decay, d_entering, d_last) -> (d final, d initial)
+
+    where decay (b, h, 1, 1) is the shard's total decay and forward composes the shards' maps
+    h -> decay h + final onto `initial`; grads is its transpose (d_entering: this shard's gradient
+    of its entering state through its own outputs; d initial: nonzero on the first shard only).
+    The kernels then run from the entering state, and the backward runs them once with this
+    shard's final-state gradient. keep_in (b,) is 1 where the shard's first position continues
+    the document the previous shard ended in, else 0 (no state enters). Arguments otherwise as
+    `ssd` with impl="pallas"."""
+    _validate(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, "pallas")
+    variant = variant or backend.default_variant()
+    _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant)
+    check_shape("keep_in", keep_in, (x.shape[0],), "(b,)")
+    sizes = resolve_block_sizes(variant, chunk_size, x.shape[2] // B.shape[2], block_sizes)
+    statics = (chunk_size, variant, sizes, interpret, tuple(exchange))
+    return _ssd_pallas_shard(x, dt, A, B, C, D, initial_state, seq_idx, keep_in, *statics)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _ssd_pallas_shard(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    initial_state,
+    seq_idx,
+    keep_in,
+    chunk_size,
+    variant,
+    sizes,
+    interpret,
+    exchange,
+):
+    outputs, _ = _ssd_pallas_shard_fwd(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        initial_state,
+        seq_idx,
+        keep_in,
+        chunk_size,
+        variant,
+        sizes,
+        interpret,
+        exchange,
+    )
+    return outputs
+
+
+def _ssd_pallas_shard_fwd(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    initial_state,
+    seq_idx,
+    keep_in,
+    chunk_size,
+    variant,
+    sizes,
+    interpret,
+    exchange,
+):
+    forward, _ = exchange
+    prep, S = pallas.forward_states(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        seq_idx,
+        chunk_size=chunk_size,
+        variant=variant,
+        sizes=sizes,
+        interpret=interpret,
+    )
+    keep_b1 = keep_in.astype(jnp.float32)[:, None, None, None]
+    # The whole shard's decay: zero across a change of document, or where none enters.
+    decay = jnp.prod(prep.decay, axis=-1)[..., None, None] * keep_b1
+    entering, last = forward(decay, pallas.zero_start_final(prep, S), initial_state)
+    y, _, h_in = pallas.forward_from_states(prep, S, entering * keep_b1, interpret)
+    residuals = (x, dt, A, B, C, D, initial_state, seq_idx, keep_in, decay, h_in)
+    return (y, last.astype(jnp.float32)), residuals
+
+
+def _ssd_pallas_shard_bwd(chunk_size, variant, sizes, interpret, exchange, residuals, cotangents):
+    x, dt, A, B, C, D, initial_state, seq_idx, keep_in, decay, h_in = residuals
+    dy, d_last = cotangents
+    _, grads = exchange
+    prep, dy_l, dS = pallas.backward_states(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        seq_idx,
+        dy,
+        chunk_size=chunk_size,
+        variant=variant,
+        sizes=sizes,
+        interpret=interpret,
+    )
+    keep_b1 = keep_in.astype(jnp.float32)[:, None, None, None]
+    d_entering = pallas.initial_state_grad_from_outputs(prep, dS) * keep_b1
+    d_final, d_initial = grads(decay, d_entering, d_last)
+    dx, ddt, dA, dB, dC, dD, _ = pallas.backward_from_states(
+        prep, dy_l, dS, d_final, h_in, interpret
+    )
+    cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
+    return (
+        cast(dx, x),
+        cast(ddt, dt),
+        cast(dA, A),
+        cast(dB, B),
+        cast(dC, C),
+        cast(dD, D),
+        cast(d_initial, initial_state),
+        None,
+        None,
+    )
+
+
+_ssd_pallas_shard.defvjp(_ssd_pallas_shard_fwd, _ssd_pallas_shard_bwd)

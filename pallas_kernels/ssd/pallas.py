@@ -127,14 +127,62 @@ def forward(
 ):
     """(y (b, l, h, p) in x.dtype, final state (b, h, p, n) fp32, residuals for backward);
     `sizes` are resolved BlockSizes."""
+    prep, S = forward_states(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        seq_idx,
+        chunk_size=chunk_size,
+        variant=variant,
+        sizes=sizes,
+        interpret=interpret,
+    )
+    return forward_from_states(prep, S, initial_state, interpret)
+
+
+def forward_states(x, dt, A, B, C, D, seq_idx, *, chunk_size, variant, sizes, interpret=None):
+    """(Prepared inputs, chunk states S (b, c, h, p', n') fp32): forward's first stage, which
+    no initial state enters."""
     prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
-    states, outputs = _chunk_kernels(prep, interpret)
-    S = states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret)
+    states, _ = _chunk_kernels(prep, interpret)
+    return prep, states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=interpret)
+
+
+def forward_from_states(prep, S, initial_state, interpret=None):
+    """forward's (y, final state, residual H_in) from its chunk states and an initial state."""
+    _, outputs = _chunk_kernels(prep, interpret)
     h_in, final = pass_states(prep, S, pad_state(prep, initial_state), interpret)
     y = outputs(prep, h_in, interpret=interpret)
     _, _, _, p, _, n = prep.shape
     y = prep.crop(prep.layout.from_seq_major(y), p)
     return y, final[:, :, :p, :n], h_in
+
+
+def _decay_products(prep):
+    """(before, after) (b, h, c) fp32: the products of the chunk decays before and after chunk c,
+    i.e. what of the initial state enters chunk c, and what of S_c is left after the last chunk
+    (zero across a change of document)."""
+    ones = jnp.ones_like(prep.decay[..., :1])
+    before = jnp.cumprod(jnp.concatenate([ones, prep.decay[..., :-1]], axis=-1), axis=-1)
+    reverse = jnp.concatenate([ones, jnp.flip(prep.decay, -1)[..., :-1]], axis=-1)
+    return before, jnp.flip(jnp.cumprod(reverse, axis=-1), -1)
+
+
+def _weigh_chunks(weight_bhc, prep, arr_bchpn):
+    """sum_c weight[c] arr[c], cropped to (b, h, p, n) fp32."""
+    _, _, _, p, _, n = prep.shape
+    out = jnp.einsum(
+        "bhc,bchpn->bhpn", weight_bhc, arr_bchpn.astype(F32), precision=jax.lax.Precision.HIGHEST
+    )
+    return out[:, :, :p, :n]
+
+
+def zero_start_final(prep, S):
+    """The final state from a zero initial state, from the chunk states: sum_c after[c] S_c."""
+    return _weigh_chunks(_decay_products(prep)[1], prep, S)
 
 
 def backward(
@@ -156,16 +204,45 @@ def backward(
     interpret=None,
 ):
     """Gradients (dx, ddt, dA, dB, dC, dD, d initial_state) of forward's (y, final state)."""
+    prep, dy_l, dS = backward_states(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        seq_idx,
+        dy,
+        chunk_size=chunk_size,
+        variant=variant,
+        sizes=sizes,
+        interpret=interpret,
+    )
+    return backward_from_states(prep, dy_l, dS, dfinal, h_in, interpret)
+
+
+def backward_states(x, dt, A, B, C, D, seq_idx, dy, *, chunk_size, variant, sizes, interpret=None):
+    """(Prepared inputs, dy in the kernels' layout, dS (b, c, h, p', n') fp32: what y asks of
+    the state entering each chunk): backward's first stage, which no final state's gradient
+    enters."""
     prep = Prepared(x, dt, A, B, C, D, seq_idx, chunk_size, variant, sizes)
-    lay = prep.layout
+    _, l, _, p, _, _ = prep.shape
+    widths = [(0, 0), (0, prep.c * prep.k - l), (0, 0), (0, prep.p_pad - p)]
+    dy_l = prep.layout.seq_major(jnp.pad(dy.astype(prep.mm_dtype), widths))
+    states, _ = _chunk_kernels(prep, interpret)
+    return prep, dy_l, states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
+
+
+def initial_state_grad_from_outputs(prep, dS):
+    """d y / d initial state alone (no final state's gradient): sum_c before[c] dS_c."""
+    return _weigh_chunks(_decay_products(prep)[0], prep, dS)
+
+
+def backward_from_states(prep, dy_l, dS, dfinal, h_in, interpret=None):
+    """backward's gradients from its first stage, the final state's gradient and the forward's
+    H_in: the reverse scan of the state gradients over chunks, then the gradient kernels."""
     b, l, h, p, g, n = prep.shape
     pp, nn, c, k = prep.p_pad, prep.n_pad, prep.c, prep.k
-    dy_pad = jnp.pad(dy.astype(prep.mm_dtype), [(0, 0), (0, c * k - l), (0, 0), (0, pp - p)])
-    dy_l = lay.seq_major(dy_pad)
-
-    # State gradients: what y asks of each incoming state, then the reverse scan over chunks.
-    states, _ = _chunk_kernels(prep, interpret)
-    dS = states(prep, dy_l, prep.w_out, prep.C, interpret=interpret)
     dh_out, dh0, carry_dots = pass_state_grads(prep, dS, pad_state(prep, dfinal), h_in, interpret)
 
     cs_c, dt_c, wout_c, wst_c, cs_r, _, _, _ = prep.vectors(
@@ -201,7 +278,7 @@ def backward(
         ],
         [one.tile_of(pp), one.per_tile_scalar()],
         [
-            jax.ShapeDtypeStruct(prep.x.shape, x.dtype),
+            jax.ShapeDtypeStruct(prep.x.shape, prep.out_dtype),
             jax.ShapeDtypeStruct((b, h, c, k // one.tile, 1, 1), F32),
         ],
         interpret=interpret,
