@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from .. import backend
 from ..checks import check_float, check_shape
@@ -251,7 +252,8 @@ def ssd_shard(
 
     where decay (b, h, 1, 1) is the shard's total decay and forward composes the shards' maps
     h -> decay h + final onto `initial`; grads is its transpose (d_entering: this shard's gradient
-    of its entering state through its own outputs; d initial: nonzero on the first shard only).
+    of its entering state through its own outputs; d_last None where that gradient is a symbolic
+    zero; d initial: nonzero on the first shard only).
     The kernels then run from the entering state, and the backward runs them once with this
     shard's final-state gradient. keep_in (b,) is 1 where the shard's first position continues
     the document the previous shard ended in, else 0 (no state enters). Arguments otherwise as
@@ -261,121 +263,53 @@ def ssd_shard(
     _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant)
     check_shape("keep_in", keep_in, (x.shape[0],), "(b,)")
     sizes = resolve_block_sizes(variant, chunk_size, x.shape[2] // B.shape[2], block_sizes)
-    statics = (chunk_size, variant, sizes, interpret, tuple(exchange))
-    return _ssd_pallas_shard(x, dt, A, B, C, D, initial_state, seq_idx, keep_in, *statics)
+    arrays = (x, dt, A, B, C, D, initial_state, seq_idx, keep_in)
+    return _ssd_pallas_shard(arrays, (chunk_size, variant, sizes, interpret, tuple(exchange)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _ssd_pallas_shard(
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D,
-    initial_state,
-    seq_idx,
-    keep_in,
-    chunk_size,
-    variant,
-    sizes,
-    interpret,
-    exchange,
-):
-    outputs, _ = _ssd_pallas_shard_fwd(
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        initial_state,
-        seq_idx,
-        keep_in,
-        chunk_size,
-        variant,
-        sizes,
-        interpret,
-        exchange,
-    )
-    return outputs
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ssd_pallas_shard(arrays, statics):
+    return _ssd_pallas_shard_fwd(arrays, statics)[0]
 
 
-def _ssd_pallas_shard_fwd(
-    x,
-    dt,
-    A,
-    B,
-    C,
-    D,
-    initial_state,
-    seq_idx,
-    keep_in,
-    chunk_size,
-    variant,
-    sizes,
-    interpret,
-    exchange,
-):
-    forward, _ = exchange
-    prep, S = pallas.forward_states(
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        seq_idx,
-        chunk_size=chunk_size,
-        variant=variant,
-        sizes=sizes,
-        interpret=interpret,
-    )
+def _ssd_pallas_shard_fwd(arrays, statics):
+    # symbolic_zeros: the VJP passes each array as a CustomVJPPrimal (its .value is the array).
+    is_primal = lambda a: isinstance(a, CustomVJPPrimal)  # noqa: E731
+    arrays = jax.tree.map(lambda a: getattr(a, "value", a), arrays, is_leaf=is_primal)
+    x, dt, A, B, C, D, initial_state, seq_idx, keep_in = arrays
+    chunk_size, variant, sizes, interpret, (forward, _) = statics
+    kw = dict(chunk_size=chunk_size, variant=variant, sizes=sizes, interpret=interpret)
+    prep, S = pallas.forward_states(x, dt, A, B, C, D, seq_idx, **kw)
     keep_b1 = keep_in.astype(jnp.float32)[:, None, None, None]
     # The whole shard's decay: zero across a change of document, or where none enters.
     decay = jnp.prod(prep.decay, axis=-1)[..., None, None] * keep_b1
     entering, last = forward(decay, pallas.zero_start_final(prep, S), initial_state)
     y, _, h_in = pallas.forward_from_states(prep, S, entering * keep_b1, interpret)
-    residuals = (x, dt, A, B, C, D, initial_state, seq_idx, keep_in, decay, h_in)
-    return (y, last.astype(jnp.float32)), residuals
+    return (y, last.astype(jnp.float32)), (arrays, decay, h_in)
 
 
-def _ssd_pallas_shard_bwd(chunk_size, variant, sizes, interpret, exchange, residuals, cotangents):
-    x, dt, A, B, C, D, initial_state, seq_idx, keep_in, decay, h_in = residuals
+def _ssd_pallas_shard_bwd(statics, residuals, cotangents):
+    arrays, decay, h_in = residuals
+    x, dt, A, B, C, D, initial_state, seq_idx, keep_in = arrays
+    chunk_size, variant, sizes, interpret, (_, grads) = statics
+    kw = dict(chunk_size=chunk_size, variant=variant, sizes=sizes, interpret=interpret)
     dy, d_last = cotangents
-    _, grads = exchange
-    prep, dy_l, dS = pallas.backward_states(
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        seq_idx,
-        dy,
-        chunk_size=chunk_size,
-        variant=variant,
-        sizes=sizes,
-        interpret=interpret,
-    )
+    if isinstance(dy, SymbolicZero):
+        dy = jnp.zeros(dy.shape, dy.dtype)
+    prep, dy_l, dS = pallas.backward_states(x, dt, A, B, C, D, seq_idx, dy, **kw)
     keep_b1 = keep_in.astype(jnp.float32)[:, None, None, None]
     d_entering = pallas.initial_state_grad_from_outputs(prep, dS) * keep_b1
+    # Training never reads the state after the last shard: its gradient is a symbolic zero,
+    # and the exchange's transpose then sends none.
+    d_last = None if isinstance(d_last, SymbolicZero) else d_last
     d_final, d_initial = grads(decay, d_entering, d_last)
     dx, ddt, dA, dB, dC, dD, _ = pallas.backward_from_states(
         prep, dy_l, dS, d_final, h_in, interpret
     )
     cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
-    return (
-        cast(dx, x),
-        cast(ddt, dt),
-        cast(dA, A),
-        cast(dB, B),
-        cast(dC, C),
-        cast(dD, D),
-        cast(d_initial, initial_state),
-        None,
-        None,
-    )
+    primals = (x, dt, A, B, C, D, initial_state)
+    grads_out = tuple(map(cast, (dx, ddt, dA, dB, dC, dD, d_initial), primals))
+    return (grads_out + (None, None),)
 
 
-_ssd_pallas_shard.defvjp(_ssd_pallas_shard_fwd, _ssd_pallas_shard_bwd)
+_ssd_pallas_shard.defvjp(_ssd_pallas_shard_fwd, _ssd_pallas_shard_bwd, symbolic_zeros=True)

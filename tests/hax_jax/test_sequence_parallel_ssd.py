@@ -44,14 +44,17 @@ def _seq_idx(shards: int) -> jnp.ndarray:
     return jnp.asarray(np.stack([row, np.zeros(L, np.int32)]))
 
 
-def _loss_fn(ssd_fn, weights_key):
-    """sum(y * w1) + sum(final * w2) and y: both outputs' gradients enter."""
+def _loss_fn(ssd_fn, weights_key, final_weight: float = 1.0):
+    """sum(y * w1) + final_weight * sum(final * w2) and y: both outputs' gradients enter (with
+    final_weight 0 the final state's gradient is a symbolic zero, as in training)."""
     w1 = jax.random.normal(weights_key, (Bsz, L, H, P_))
     w2 = jax.random.normal(jax.random.fold_in(weights_key, 1), (Bsz, H, P_, N))
 
     def loss(args, seq_idx):
         y, final = ssd_fn(*args, seq_idx)
-        return jnp.sum(y * w1) + jnp.sum(final * w2), y
+        if not final_weight:
+            return jnp.sum(y * w1), y
+        return jnp.sum(y * w1) + final_weight * jnp.sum(final * w2), y
 
     return loss
 
@@ -84,20 +87,27 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-@pytest.mark.parametrize("shards", [2, 4])
-@pytest.mark.parametrize("documents", [False, True], ids=["one_document", "seq_idx"])
-@pytest.mark.parametrize("impl", ["pallas", "chunked"])
-def test_split_sequence_equals_the_recurrence(impl, shards, documents):
+@pytest.mark.parametrize(
+    "impl, shards, documents, final_weight",
+    [
+        *[(i, s, d, 1.0) for i in ("pallas", "chunked") for s in (2, 4) for d in (False, True)],
+        ("pallas", 4, True, 0.0),
+    ],
+)
+def test_split_sequence_equals_the_recurrence(impl, shards, documents, final_weight):
     """The Pallas path (exchange inside the kernels' custom VJP) and the portable one (the
-    zero-start state by one matmul, autodiff through the exchange)."""
+    zero-start state by one matmul, autodiff through the exchange); the final state's gradient
+    given, and (Pallas) a symbolic zero."""
     args, key = _inputs()
     seq_idx = _seq_idx(shards) if documents else None
-    want_loss = _loss_fn(_whole, key)
+    want_loss = _loss_fn(_whole, key, final_weight)
     (want, want_y), want_grads = jax.value_and_grad(want_loss, has_aux=True)(args, seq_idx)
     mesh = sharding.make_mesh(MeshConfig(data=1, seq=shards, tensor=1), CPUS)
     with jax.set_mesh(mesh):
         split = _split(mesh, impl)
-        got_loss = _loss_fn(lambda *a: split(*a[:-1], a[-1] if documents else None), key)
+        got_loss = _loss_fn(
+            lambda *a: split(*a[:-1], a[-1] if documents else None), key, final_weight
+        )
         if documents:
             fn = jax.jit(jax.value_and_grad(got_loss, has_aux=True))
             (got, got_y), got_grads = fn(args, seq_idx)
