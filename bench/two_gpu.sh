@@ -11,7 +11,10 @@
 #                  again;  dp_flags: one GPU, data=2 under XLA flags for the gradient all-reduces
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2, seq=2 with mesh.shard_optimizer), and
 #                  HAX-Mamba-2 130M 1 x 65536 on one GPU
-#        seq_hax   HAX-Mamba-2 130M 1 x 65536 on seq=2
+#        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled
+#                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
+#                  steps per source line with `python bench/kernel_attribution.py ONE.hlo.txt
+#                  one.log SEQ2.hlo.txt seq2.log --scale 0.5`)
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
 #                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8; LHS=1: tp_* with
@@ -73,18 +76,23 @@ dp_tp)
         --set mesh.data=2 mesh.fsdp=true data.batch_size=16
     ;;
 seq)
-    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 60 &
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
+        --hlo-dir "$out/hlo_one" &
     gpu 1 run one_gpu_hax_64k 400 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives &
     wait
-    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 60 \
-        --set mesh.data=1 mesh.seq=2
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
+        --hlo-dir "$out/hlo_seq2" --set mesh.data=1 mesh.seq=2
     # The AdamW moments split over "seq" too: each shard held a whole replica.
     run seq2_32k_shard_optimizer 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
         --set mesh.data=1 mesh.seq=2 mesh.shard_optimizer=true
     ;;
 seq_hax)
-    run seq2_hax_64k 500 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
-        --set mesh.data=1 mesh.seq=2
+    # Both HAX steps profiled with their HLOs, for bench/kernel_attribution.py (seq=2 took 1.21x
+    # the one-GPU tokens/s and twice its memory in the fifth session): about 9 minutes.
+    gpu 0 run one_gpu_hax_64k 300 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e \
+        --collectives --profile 400 --hlo-dir "$out/hlo_hax_one"
+    run seq2_hax_64k 330 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
+        --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set mesh.data=1 mesh.seq=2
     ;;
 big_one)
     gpu 0 run one_gpu_1_3b 500 $tp --cases lm_mamba2_1_3b --steps 10 --no-e2e --set $big &
