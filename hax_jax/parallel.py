@@ -210,30 +210,29 @@ def incoming_states(
 
 
 def incoming_state_grads(
-    decay: jax.Array, d_entering: jax.Array, d_last: jax.Array
+    decay: jax.Array, d_entering: jax.Array, d_last: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """The transpose of `incoming_states`: (d state after this shard, d initial state) from each
     shard's gradient of its entering state through its own outputs (`d_entering`) and the
     gradient of the state after the last shard (`d_last`, summed over the shards; None: zero).
-    The state
-    after shard s enters shard s + 1, so its gradient runs backwards over the shards,
-    g_{s} = d_entering_{s+1} + decay_{s+1} g_{s+1}: one all-gather of the pairs. d initial is
-    the first shard's (zeros on the others, so a sum over shards counts it once)."""
-    parts = [decay.astype(d_entering.dtype), d_entering]
-    if d_last is not None:  # None: a zero gradient, nothing to send for it
-        parts.append(d_last.astype(d_entering.dtype))
+    The state after shard s enters shard s + 1, so its gradient runs backwards over the shards,
+    g_s = d_entering_{s+1} + decay_{s+1} g_{s+1}: one all-gather of the pairs. d initial is the
+    first shard's (zeros on the others, so a sum over shards counts it once)."""
     shards = seq_shards()
     if shards == 1:
         d_last = jnp.zeros_like(d_entering) if d_last is None else d_last
         return d_last, d_entering + decay * d_last
+    parts = [decay.astype(d_entering.dtype), d_entering]
+    if d_last is not None:  # None: a zero gradient, nothing to send for it
+        parts.append(d_last.astype(d_entering.dtype))
     packed = received(jax.lax.all_gather(jnp.concatenate([a.reshape(-1) for a in parts]), SEQ))
     decays = packed[:, : decay.size].reshape(shards, *decay.shape)
     d_enterings = packed[:, decay.size : decay.size + d_entering.size]
     d_enterings = d_enterings.reshape(shards, *d_entering.shape)
-    # Summed over shards, as autodiff of `incoming_states` would (shard_map may hand the
-    # gradient of an output that is the same on every shard to one shard only).
     g = jnp.zeros_like(d_entering)
     if d_last is not None:
+        # Summed over shards, as autodiff of `incoming_states` would (shard_map may hand the
+        # gradient of an output that is the same on every shard to one shard only).
         g = jnp.sum(packed[:, decay.size + d_entering.size :], axis=0).reshape(d_last.shape)
     leaving = []
     for s in reversed(range(shards)):
