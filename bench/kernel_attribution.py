@@ -75,10 +75,18 @@ def kernel_times(path: str) -> dict[str, float]:
 
 
 def by_source(hlo: str, log: str) -> dict[str, float]:
-    """{source line (or "kernel:<name>"): ms per step}."""
-    sources = hlo_sources(hlo)
+    """{source line (or "kernel:<name>"): ms per step}; SystemExit naming a file that cannot be
+    read or holds no kernel list / no stack metadata."""
+    try:
+        sources, times = hlo_sources(hlo), kernel_times(log)
+    except OSError as e:
+        raise SystemExit(f"error: cannot read {e.filename}: {e.strerror}") from None
+    if not times:
+        raise SystemExit(f"error: {log} lists no kernels (run train_throughput.py --profile N)")
+    if not sources:
+        raise SystemExit(f"error: {hlo} has no instructions with metadata (not an optimized HLO?)")
     out = collections.defaultdict(float)
-    for kernel, ms in kernel_times(log).items():
+    for kernel, ms in times.items():
         out[sources.get(kernel, f"kernel:{kernel}")] += ms
     return out
 
