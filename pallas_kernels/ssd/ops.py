@@ -262,9 +262,12 @@ def ssd_shard(
     variant = variant or backend.default_variant()
     _check_pallas(x, dt, A, B, C, D, initial_state, chunk_size, variant)
     check_shape("keep_in", keep_in, (x.shape[0],), "(b,)")
+    exchange = tuple(exchange)
+    if len(exchange) != 2 or not all(callable(f) for f in exchange):
+        raise ValueError(f"exchange must be a pair of functions (forward, grads), got {exchange!r}")
     sizes = resolve_block_sizes(variant, chunk_size, x.shape[2] // B.shape[2], block_sizes)
     arrays = (x, dt, A, B, C, D, initial_state, seq_idx, keep_in)
-    return _ssd_pallas_shard(arrays, (chunk_size, variant, sizes, interpret, tuple(exchange)))
+    return _ssd_pallas_shard(arrays, (chunk_size, variant, sizes, interpret, exchange))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

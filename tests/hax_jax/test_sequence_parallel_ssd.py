@@ -16,6 +16,7 @@ from hax_jax import sharding
 from hax_jax.config import MeshConfig
 from hax_jax.parallel import ssd_sequence_parallel
 from pallas_kernels.ssd import ssd
+from pallas_kernels.ssd.ops import ssd_shard
 
 RTOL = 1e-4  # fp32: max |split - whole| / max |whole|, per array
 Bsz, L, H, P_, G, N, CHUNK = 2, 128, 4, 8, 2, 16, 16
@@ -119,3 +120,16 @@ def test_split_sequence_equals_the_recurrence(impl, shards, documents, final_wei
     names = ("x", "dt", "A", "B", "C", "D", "initial_state")
     for name, g, w in zip(names, got_grads, want_grads, strict=True):
         assert _rel(g, w) < RTOL, f"d{name}: {_rel(g, w):.2e}"
+
+
+@pytest.mark.parametrize(
+    "exchange, keep_in, message",
+    [
+        ((len,), jnp.ones(Bsz), "exchange must be a pair of functions"),
+        ((len, len), jnp.ones(Bsz + 1), r"keep_in must have shape \(b,\)"),
+    ],
+)
+def test_ssd_shard_refuses_bad_arguments(exchange, keep_in, message):
+    (x, dt, A, B, C, D, h0), _ = _inputs()
+    with pytest.raises(ValueError, match=message):
+        ssd_shard(x, dt, A, B, C, chunk_size=CHUNK, exchange=exchange, keep_in=keep_in, D=D)
