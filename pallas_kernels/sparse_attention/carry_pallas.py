@@ -3,19 +3,22 @@
 On one device query i attends to the kc most recent keys of its LSH bucket and the kc best-scored
 keys among positions 0..i. What the earlier shards can add to those sets is bounded: per bucket
 their kc most recent keys, and their kc best-scored keys (`carry.carried_rows`: the decode cache's
-contents). So the shard's kernels run over one longer sequence, those carried keys first (in their
-global order, each once), then the shard's own positions, then rows nothing can reach:
+contents). So the shard's kernels run over one longer sequence, the carried rows first, each key
+once and in global order, then the shard's own positions:
 
-    [carried keys (c of them) | the shard's queries and keys (l) | empty (R - c)]
+    [empty rows (r - c) | carried keys (c) | the shard's queries and keys (l)]
 
-Over it the kernels' own rules (the kc most recent of a bucket at or before i; the kc best scores at
-or before i, ties to the earlier key; a key in both sets counted once) select exactly the keys one
-device selects over the whole prefix: a carried key outside both of those bounded sets is never
-picked, because every key that outranks it is carried too. Buckets are centred over the whole
-prefix (`carry.buckets_after`); carried keys keep their own. The carried rows' queries are inert
-(the extra bucket n_buckets, which no key before them has; their outputs dropped) and the empty rows
-come after every query, so no causal rule reaches them. Gradients of the carried keys and values
-go back through the gather to the shards that published them.
+The shard's rows sit at a fixed offset r, so the sequence is a concatenation and the outputs a
+slice (a scatter by the count c cost more than the kernels' extra rows, and its JVP built int32
+arrays of the whole (r + l, e) width). Over it the kernels' own rules (the kc most recent of a
+bucket at or before i; the kc best scores at or before i, ties to the earlier key; a key in both
+sets counted once) select exactly the keys one device selects over the whole prefix: a carried key
+outside both of those bounded sets is never picked, because every key that outranks it is carried
+too. Buckets are centred over the whole prefix (`carry.buckets_after`); carried keys keep their
+own. Empty rows (and a key carried twice, after its first copy) are inert: bucket n_buckets, which
+no real query has, and score -inf, which the ks selection never takes (tiling.ks_layout). The
+carried rows' queries are inert too (bucket n_buckets; their outputs dropped). Gradients of the
+carried keys and values go back through the gather to the shards that published them.
 
 Letters: b batch, t local position, r carried row, x position in the longer sequence.
 """
@@ -23,7 +26,7 @@ Letters: b batch, t local position, r carried row, x position in the longer sequ
 import jax
 import jax.numpy as jnp
 
-from .carry import EMPTY, Summary, carried_rows, dedupe_rows
+from .carry import EMPTY, Summary, carried_rows
 from .ops import sparse_attention_of_layout
 from .pallas import layout_of
 from .spec import SparseSpec
@@ -42,22 +45,12 @@ def attend(
     rows = carried_rows(gathered, offset, shards, spec, l)
     rows_br = jnp.concatenate([rows[c].reshape(b, -1) for c in spec.components], axis=1)
     r = rows_br.shape[1]
-    # Each carried key once, in global order (rows sorted by position, repeats dropped).
-    pos_b1r = jnp.take_along_axis(gathered.pos, jnp.maximum(rows_br, 0), 1)[:, None]
-    at_b1r, real_b1r = dedupe_rows(pos_b1r, rows_br[:, None], (rows_br != EMPTY)[:, None])
-    at_br, real_br = at_b1r[:, 0], real_b1r[:, 0]
-    count_b = jnp.sum(real_br, axis=1)
-    slot_br = jnp.where(real_br, jnp.cumsum(real_br, axis=1) - 1, r + l)  # r + l: dropped
-    x_bt = count_b[:, None] + jnp.arange(l, dtype=jnp.int32)
+    at_br, real_br = _in_global_order(gathered.pos, rows_br)
 
     def longer(carried, local, fill):
-        """[carried | local | fill] (b, r + l, ...): each row at its place in the sequence."""
-
-        def one(c, lo, s, x):
-            out = jnp.full((r + l, *lo.shape[1:]), fill, lo.dtype)
-            return out.at[s].set(c.astype(lo.dtype), mode="drop").at[x].set(lo)
-
-        return jax.vmap(one)(carried, local, slot_br, x_bt)
+        """[carried (fill where empty) | local] (b, r + l, ...)."""
+        real = real_br.reshape(b, r, *([1] * (local.ndim - 2)))
+        return jnp.concatenate([jnp.where(real, carried.astype(local.dtype), fill), local], axis=1)
 
     def taken(x):
         """The carried rows of x (b, S * R, ...) from `gathered`."""
@@ -77,4 +70,18 @@ def attend(
     blocks = BlockSizes()
     layout = layout_of(buckets, scores, spec=spec, blocks=blocks, n_buckets=inert + 1)
     o_x = sparse_attention_of_layout(q_x, k_x, v_x, layout, spec, blocks=blocks)
-    return jnp.take_along_axis(o_x, x_bt[..., None], axis=1)
+    return o_x[:, r:]
+
+
+def _in_global_order(pos_bR, rows_br):
+    """The carried rows `rows_br` (EMPTY for none) of a summary with positions pos (b, R), sorted
+    by position with the empty ones first: (row (b, r), real (b, r)); a position met twice (a key
+    two components carry) is real once, at its first row."""
+    pos_br = jnp.take_along_axis(pos_bR, jnp.maximum(rows_br, 0), axis=1)
+    pos_br = jnp.where(rows_br != EMPTY, pos_br, -1)
+    pos_br, rows_br = jax.lax.sort((pos_br, rows_br), dimension=1, num_keys=1)
+    repeat = jnp.concatenate(
+        [jnp.zeros_like(pos_br[:, :1], bool), pos_br[:, 1:] == pos_br[:, :-1]], axis=1
+    )
+    real_br = (pos_br >= 0) & ~repeat
+    return jnp.maximum(rows_br, 0), real_br

@@ -116,10 +116,11 @@ def _ks_indices(key_scores_bl, kc):
             ],
             axis=-1,
         )
-        _, top_brs = jax.lax.top_k(cand_scores_brt, kc)
+        best_brs, top_brs = jax.lax.top_k(cand_scores_brt, kc)
         j_brs = jnp.take_along_axis(cand_pos_brt, top_brs, axis=-1)
-        # Empty running slots hold position -1; masked future keys a position > i.
-        valid_brs = (j_brs >= 0) & (j_brs <= blk_pos_r[:, None])
+        # Empty running slots hold position -1; masked future keys a position > i; a key scored
+        # -inf is never selected.
+        valid_brs = (j_brs >= 0) & (j_brs <= blk_pos_r[:, None]) & (best_brs > -jnp.inf)
         merged_scores_bt = jnp.concatenate([run_scores_bs, blk_scores_br], axis=-1)
         merged_pos_bt = jnp.concatenate(
             [run_pos_bs, jnp.broadcast_to(blk_pos_r, (b, block))], axis=-1

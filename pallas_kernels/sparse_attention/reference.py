@@ -8,7 +8,8 @@ components of a '+'-joined pattern; each component gets kc = num_keys // (#compo
   dilated  the kc most recent j <= i with j % d == d - 1, d = max(1, max_len // kc)
   lsh      the kc most recent j <= i whose key bucket equals the query bucket; buckets hash the
            running-mean-centred q / k with a random projection (sign bits or argmax)
-  ks       the top-kc keys among key_scores[0..i], ties going to the earlier position
+  ks       the top-kc keys among key_scores[0..i], ties going to the earlier position; a key
+           scored -inf is never selected (it marks an empty row)
   full     every j <= i (dense causal attention)
 Softmax runs over the selected keys only; a query with no selected key outputs 0.
 
@@ -92,15 +93,15 @@ def _most_recent(match_bij, kc):
 
 
 def _top_scores(key_scores_bl, kc, causal_ij):
-    """keep[i, j]: j <= i and fewer than kc keys p <= i beat j (higher score, or equal score
-    at an earlier position)."""
+    """keep[i, j]: j <= i, s_j > -inf and fewer than kc keys p <= i beat j (higher score, or
+    equal score at an earlier position)."""
     s_bl = jax.lax.stop_gradient(key_scores_bl.astype(jnp.float32))
     l = s_bl.shape[1]
     pos_l = jnp.arange(l)
     s_bp1, s_b1j = s_bl[:, :, None], s_bl[:, None, :]
     beats_bpj = (s_bp1 > s_b1j) | ((s_bp1 == s_b1j) & (pos_l[:, None] < pos_l[None, :]))
     ahead_bij = jnp.cumsum(beats_bpj, axis=1, dtype=jnp.int32)  # over p <= i
-    return causal_ij & (ahead_bij < kc)
+    return causal_ij & (ahead_bij < kc) & (s_b1j > -jnp.inf)
 
 
 def sparse_attention_mask(q, k, *, spec, hash_proj=None, key_scores=None):

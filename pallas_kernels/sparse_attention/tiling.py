@@ -11,7 +11,9 @@ queries, so a block of consecutive sorted queries needs only the few key tiles t
 KS: the top-kc of key_scores[0..i] (ties to the earlier position) lies in the running top-kc of
 the keys before i's block (an associative scan of per-block top-k) plus the block's own keys;
 query i selects a causal candidate iff it is at least as good as its threshold, the worst
-member of its set.
+member of its set. A key scored -inf is never selected (padding; the empty rows of a sequence
+shard's carried keys, carry_pallas.py): where fewer than kc finite keys precede a query, its
+threshold (-inf, position -1) admits exactly the finite ones.
 
 Letters: b batch, l length, L padded length, m merged keys + queries, c query block, r row in a
 block, t key tile, s scheduled pair, j slot of a top-k.
@@ -83,7 +85,8 @@ class KsLayout(NamedTuple):
     prefix_pos: jax.Array  # (b, nblocks, kc) positions, EMPTY_POS where fewer keys came before
     prefix_scores: jax.Array  # (b, nblocks, kc) their scores (-inf where empty)
     threshold_score: jax.Array  # (b, L) worst member's score; +inf for padding queries
-    threshold_pos: jax.Array  # (b, L) worst member's position; -1 for padding queries
+    threshold_pos: jax.Array  # (b, L) worst member's position; -1 for padding queries and
+    # where the worst is -inf (no -inf key is selected)
 
 
 def _sort_by_bucket(bucket_m, order_m, n_buckets):
@@ -242,6 +245,7 @@ def ks_layout(key_scores_bl, kc, block_q, length):
     from_prefix = jnp.take_along_axis(prefix_p, jnp.minimum(index_bcr, kc - 1), -1)
     from_block = start_c[:, None] + index_bcr - kc
     threshold_pos = jnp.where(index_bcr < kc, from_prefix, from_block).reshape(b, length)
+    threshold_pos = jnp.where(threshold_score > -jnp.inf, threshold_pos, -1)
     real = pos_L < l
     return KsLayout(
         scores=scores_bL,

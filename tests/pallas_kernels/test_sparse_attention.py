@@ -175,6 +175,30 @@ def test_queries_with_no_key_output_zero():
     assert np.all(empty_bi[np.asarray(bucket_q) % 2 == 1])
 
 
+@pytest.mark.parametrize("pattern", ["ks", "lsh+ks"])
+def test_keys_scored_minus_inf_are_never_selected(pattern):
+    """A key scored -inf is no ks candidate (an empty row: sequence shards put their carried keys
+    behind such rows): the first 6 keys and every fifth one. Queries with fewer than kc finite keys
+    before them take just those (queries 0 to 5: none)."""
+    l, num_keys = 37, 12
+    inputs = make_inputs(l, seed=4)
+    minus_inf = (np.arange(l) < 6) | (np.arange(l) % 5 == 0)
+    inputs["key_scores"] = jnp.where(minus_inf, -jnp.inf, inputs["key_scores"])
+    check_against_oracle(pattern, "sign", l, num_keys, inputs)
+    spec = spec_of("ks", num_keys)
+    mask = np.asarray(sparse_attention_mask(inputs["q"], inputs["k"], spec=spec, **_rest(inputs)))
+    assert not mask[:, :, minus_inf].any()
+    finite_before = np.cumsum(~minus_inf)  # finite keys at or before each query; kc = 12
+    np.testing.assert_array_equal(
+        mask.sum(-1), np.broadcast_to(np.minimum(finite_before, 12), mask.shape[:2])
+    )
+
+
+def _rest(inputs):
+    """The keyword inputs of an op besides q, k, v."""
+    return {name: x for name, x in inputs.items() if name not in ("q", "k", "v")}
+
+
 def test_dilated_early_queries_are_empty():
     """Dilated with a large stride: queries before the first j = d - 1 select nothing."""
     l = 37

@@ -99,6 +99,18 @@ def test_queries_with_no_key_output_zero():
     assert empty.sum() >= 10 and (~empty).sum() >= 10
 
 
+def test_keys_scored_minus_inf_are_never_selected():
+    """Keys scored -inf (the first 20, as a sequence shard's empty carried rows, and every
+    seventh): no ks candidate, also for queries with fewer than kc finite keys before them;
+    equal to the indexed path."""
+    l = 70
+    inputs = make_inputs(2, l, 8, 6, 3, seed=3)
+    minus_inf = (np.arange(l) < 20) | (np.arange(l) % 7 == 0)
+    inputs["key_scores"] = jnp.where(minus_inf, -jnp.inf, inputs["key_scores"])
+    blocks = dict(block_q=16, block_k=16, block_e=16)
+    check_against_indexed(inputs, F32, blocks, pattern="lsh+ks", num_keys=24, binning="sign")
+
+
 def test_tpu_variant_interpret():
     """The tpu variant (Mosaic semantics: DMA of run-time tiles, SMEM schedules) in TPU
     interpret mode on a tiny shape."""
