@@ -26,7 +26,7 @@ Letters: b batch, t local position, r carried row, x position in the longer sequ
 import jax
 import jax.numpy as jnp
 
-from .carry import EMPTY, Summary, carried_rows
+from .carry import EMPTY, Summary, carried_rows, take_rows
 from .ops import sparse_attention_of_layout
 from .pallas import layout_of
 from .spec import SparseSpec
@@ -52,21 +52,18 @@ def attend(
         real = real_br.reshape(b, r, *([1] * (local.ndim - 2)))
         return jnp.concatenate([jnp.where(real, carried.astype(local.dtype), fill), local], axis=1)
 
-    def taken(x):
-        """The carried rows of x (b, S * R, ...) from `gathered`."""
-        return jnp.take_along_axis(x, at_br.reshape(b, r, *([1] * (x.ndim - 2))), axis=1)
-
     q_x = longer(jnp.zeros((b, r, q.shape[2]), q.dtype), q, 0)
-    k_x, v_x = longer(taken(gathered.k), k, 0), longer(taken(gathered.v), v, 0)
+    k_x = longer(take_rows(gathered.k, at_br), k, 0)
+    v_x = longer(take_rows(gathered.v, at_br), v, 0)
     buckets = scores = None
     inert = spec.num_buckets if spec.has("lsh") else 0  # carried queries' and empty rows' bucket
     if spec.has("lsh"):
         bucket_q_x = longer(jnp.full((b, r), inert, jnp.int32), bucket_q.astype(jnp.int32), inert)
-        bucket_k_x = longer(taken(gathered.bucket), bucket_k.astype(jnp.int32), inert)
+        bucket_k_x = longer(take_rows(gathered.bucket, at_br), bucket_k.astype(jnp.int32), inert)
         buckets = (bucket_q_x, bucket_k_x)
     if spec.has("ks"):
         own = jax.lax.stop_gradient(key_scores.astype(jnp.float32))
-        scores = longer(taken(gathered.score), own, -jnp.inf)
+        scores = longer(take_rows(gathered.score, at_br), own, -jnp.inf)
     blocks = BlockSizes()
     layout = layout_of(buckets, scores, spec=spec, blocks=blocks, n_buckets=inert + 1)
     o_x = sparse_attention_of_layout(q_x, k_x, v_x, layout, spec, blocks=blocks)
