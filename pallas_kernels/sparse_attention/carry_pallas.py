@@ -53,17 +53,19 @@ def attend(
         return jnp.concatenate([jnp.where(real, carried.astype(local.dtype), fill), local], axis=1)
 
     q_x = longer(jnp.zeros((b, r, q.shape[2]), q.dtype), q, 0)
-    k_x = longer(take_rows(gathered.k, at_br), k, 0)
-    v_x = longer(take_rows(gathered.v, at_br), v, 0)
+    k_x = longer(take_rows(gathered.k, at_br, real_br), k, 0)
+    v_x = longer(take_rows(gathered.v, at_br, real_br), v, 0)
     buckets = scores = None
     inert = spec.num_buckets if spec.has("lsh") else 0  # carried queries' and empty rows' bucket
     if spec.has("lsh"):
         bucket_q_x = longer(jnp.full((b, r), inert, jnp.int32), bucket_q.astype(jnp.int32), inert)
-        bucket_k_x = longer(take_rows(gathered.bucket, at_br), bucket_k.astype(jnp.int32), inert)
+        bucket_k_x = longer(
+            take_rows(gathered.bucket, at_br, real_br), bucket_k.astype(jnp.int32), inert
+        )
         buckets = (bucket_q_x, bucket_k_x)
     if spec.has("ks"):
         own = jax.lax.stop_gradient(key_scores.astype(jnp.float32))
-        scores = longer(take_rows(gathered.score, at_br), own, -jnp.inf)
+        scores = longer(take_rows(gathered.score, at_br, real_br), own, -jnp.inf)
     blocks = BlockSizes()
     layout = layout_of(buckets, scores, spec=spec, blocks=blocks, n_buckets=inert + 1)
     o_x = sparse_attention_of_layout(q_x, k_x, v_x, layout, spec, blocks=blocks)

@@ -10,8 +10,12 @@ prefixes, windows and sinks.
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from pallas_kernels.sparse_attention.carry import take_rows
 from tests.hax_jax.test_sequence_parallel import MESHES, _cfg, _check_split_equals_one_device
 
 PATTERNS = ("sw", "sink", "dilated", "lsh", "ks", "full", "sw+sink", "sw+dilated", "lsh+ks")
@@ -48,3 +52,32 @@ def test_pallas_over_the_carry_per_component(pattern):
     shard boundary selects as on one device."""
     cfg = _with_impl(_cfg(("mamba2",), pattern), "pallas")
     _check_split_equals_one_device(cfg, MESHES["seq2"], False)
+
+
+@pytest.mark.parametrize(
+    "dtype, shape", [(jnp.float32, (2, 10, 3)), (jnp.bfloat16, (2, 10, 3)), (jnp.float32, (2, 10))]
+)
+def test_take_rows_gradient_is_the_gathers_transpose(dtype, shape):
+    """carry.take_rows (a custom VJP: the gradient gathered by the inverse map) equals
+    take_along_axis and its autodiff scatter-add, values and gradient, when the valid rows take
+    distinct positions and the placeholders get no cotangent."""
+    rng = np.random.default_rng(0)
+    at = jnp.array([[3, 0, 7, 0, 5], [9, 1, 0, 2, 0]])
+    valid = jnp.array([[1, 0, 1, 0, 1], [1, 1, 0, 1, 0]], bool)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    mask = valid.reshape(*valid.shape, *([1] * (x.ndim - 2)))
+    w = jnp.asarray(rng.standard_normal((2, 5, *shape[2:])), dtype) * mask
+    index = at.reshape(*at.shape, *([1] * (x.ndim - 2)))
+
+    def fast(x):
+        return jnp.sum((take_rows(x, at, valid) * w).astype(jnp.float32))
+
+    def plain(x):
+        return jnp.sum((jnp.take_along_axis(x, index, axis=1) * w).astype(jnp.float32))
+
+    rows = take_rows(x, at, valid)
+    want_rows = jnp.take_along_axis(x, index, axis=1)
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(want_rows, np.float32))
+    grad, want = jax.grad(fast)(x), jax.grad(plain)(x)
+    assert grad.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))
