@@ -147,9 +147,21 @@ def test_prefill_past_capacity_raises():
         mixer.branch.forward(x, mixer.init_cache(x.shape[0], 8))
 
 
+# Training mode resamples the LSH hash and sows the ks ranking loss; without lsh or ks it computes
+# what eval mode does, so those patterns run once.
+LEAKAGE_CASES = [
+    (pattern, training)
+    for pattern in PATTERNS
+    for training in ((False, True) if "lsh" in pattern or "ks" in pattern else (True,))
+]
+
+
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize(
+    "pattern, training",
+    LEAKAGE_CASES,
+    ids=[f"{'train' if t else 'eval'}-{p}" for p, t in LEAKAGE_CASES],
+)
 def test_no_future_leakage(kind, pattern, training):
     """Gradients see leaks through the attention weights; changed futures see leaks through the
     (discrete, gradient-free) selection of keys."""
