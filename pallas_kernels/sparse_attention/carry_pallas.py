@@ -9,7 +9,7 @@ once and in global order, then the shard's own positions:
     [empty rows (r - c) | carried keys (c) | the shard's queries and keys (l)]
 
 The shard's rows sit at a fixed offset r, so the sequence is a concatenation and the outputs a
-slice (a scatter by the count c cost more than the kernels' extra rows, and its JVP built int32
+slice (a scatter at the offset c took 8.2 ms of a 4-layer 64K step on H200, and its JVP built u32
 arrays of the whole (r + l, e) width). Over it the kernels' own rules (the kc most recent of a
 bucket at or before i; the kc best scores at or before i, ties to the earlier key; a key in both
 sets counted once) select exactly the keys one device selects over the whole prefix: a carried key
