@@ -96,7 +96,7 @@ def take_rows(x, at_br, valid_br):
     positions, and the others must be placeholders no gradient reaches (their cotangent is
     dropped). The gradient is then a gather by the inverse map instead of a scatter-add into zeros:
     XLA merged every layer's zero buffer into one fusion in the forward (7 GiB live through a 64K
-    HAX step on seq=2, H200), and a bf16 scatter-add is a compare-and-swap loop per element."""
+    HAX step on seq=2, H200), and the bf16 scatter-add took 25.9 ms of that step."""
     at = at_br.reshape(*at_br.shape, *([1] * (x.ndim - 2)))
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.take_along_axis(x, at, axis=1)
