@@ -11,7 +11,8 @@
 #                  again;  dp_flags: one GPU, data=2 under XLA flags for the gradient all-reduces
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2, seq=2 with mesh.shard_optimizer), and
 #                  HAX-Mamba-2 130M 1 x 65536 on one GPU
-#        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled
+#        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
+#                  blocks, e.g. 4: each block's cost in about 2 minutes instead of 9)
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
 #                  steps per source line with `python bench/kernel_attribution.py ONE.hlo.txt
 #                  one.log SEQ2.hlo.txt seq2.log --scale 0.5`)
@@ -87,12 +88,14 @@ seq)
         --set mesh.data=1 mesh.seq=2 mesh.shard_optimizer=true
     ;;
 seq_hax)
-    # Both HAX steps profiled with their HLOs, for bench/kernel_attribution.py (seq=2 took 1.21x
-    # the one-GPU tokens/s and twice its memory in the fifth session): about 9 minutes.
+    # Both HAX steps profiled with their HLOs, for bench/kernel_attribution.py (seq=2 took 1.50x
+    # the one-GPU tokens/s and twice its memory in the sixth session): about 9 minutes, the 24-block
+    # seq=2 program compiling in about 4 (LAYERS=4: about 2 minutes in all).
+    layers="model.n_layer=${LAYERS:-24}"
     gpu 0 run one_gpu_hax_64k 300 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e \
-        --collectives --profile 400 --hlo-dir "$out/hlo_hax_one"
+        --collectives --profile 400 --hlo-dir "$out/hlo_hax_one" --set "$layers"
     run seq2_hax_64k 330 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
-        --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set mesh.data=1 mesh.seq=2
+        --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set "$layers" mesh.data=1 mesh.seq=2
     ;;
 big_one)
     gpu 0 run one_gpu_1_3b 500 $tp --cases lm_mamba2_1_3b --steps 10 --no-e2e --set $big &
