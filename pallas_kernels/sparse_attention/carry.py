@@ -95,18 +95,21 @@ def take_rows(x, at_br, valid_br):
     """x[b, at[b, r]] for x (b, t, ...): rows (b, r, ...). The valid rows must take distinct
     positions, and the others must be placeholders no gradient reaches (their cotangent is
     dropped). The gradient is then a gather by the inverse map instead of a scatter-add into zeros:
-    XLA merged every layer's zero buffer into one fusion in the forward (7 GiB live through a 64K
-    HAX step on seq=2, H200), and the bf16 scatter-add took 25.9 ms of that step."""
-    at = at_br.reshape(*at_br.shape, *([1] * (x.ndim - 2)))
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.take_along_axis(x, at, axis=1)
-    return _take_unique_rows(x, at_br, valid_br)
+    XLA made every layer's zero buffers in the forward (7.1 GiB in a 64K HAX step on seq=2, H200),
+    and the bf16 scatter-add took 25.9 ms of that step."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return _take_unique_rows(x, at_br, valid_br)
+    return _rows_at(x, at_br)
+
+
+def _rows_at(x, at_br):
+    """take_along_axis of x (b, t, ...) at rows (b, r)."""
+    return jnp.take_along_axis(x, at_br.reshape(*at_br.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
 @jax.custom_vjp
 def _take_unique_rows(x, at_br, valid_br):
-    at = at_br.reshape(*at_br.shape, *([1] * (x.ndim - 2)))
-    return jnp.take_along_axis(x, at, axis=1)
+    return _rows_at(x, at_br)
 
 
 def _take_unique_rows_fwd(x, at_br, valid_br):
@@ -129,9 +132,9 @@ def _take_unique_rows_bwd(residuals, dy_br):
         return jnp.full((t,), -1, jnp.int32).at[slots].set(rows, mode="drop")
 
     row_bt = jax.vmap(inverse)(jnp.where(valid_br, at_br, t))
-    shape = (b, t, *([1] * (dy_br.ndim - 2)))
-    dx = jnp.take_along_axis(dy_br, jnp.maximum(row_bt, 0).reshape(shape), axis=1)
-    return jnp.where((row_bt >= 0).reshape(shape), dx, 0).astype(like.dtype), None, None
+    dx = _rows_at(dy_br, jnp.maximum(row_bt, 0))
+    taken = (row_bt >= 0).reshape(b, t, *([1] * (dy_br.ndim - 2)))
+    return jnp.where(taken, dx, 0).astype(like.dtype), None, None
 
 
 _take_unique_rows.defvjp(_take_unique_rows_fwd, _take_unique_rows_bwd)
@@ -326,11 +329,11 @@ def _dilated(j_ls, last_before, d, offset, carried_bs, from_rows, b, l, kc):
 
 
 def dedupe_rows(pos_bls, row_bls, ok_bls):
-    """Rows of each query's candidates in position order, with repeated positions (a key picked
-    by two components) and invalid slots masked (row 0, not ok)."""
+    """Rows of each query's candidates (the last axis) in position order, with repeated positions
+    (a key picked by two components) and invalid slots masked (row 0, not ok)."""
     sentinel = jnp.iinfo(jnp.int32).max
     pos_bls, row_bls = jax.lax.sort(
-        (jnp.where(ok_bls, pos_bls, sentinel), row_bls), dimension=2, num_keys=1
+        (jnp.where(ok_bls, pos_bls, sentinel), row_bls), dimension=pos_bls.ndim - 1, num_keys=1
     )
     repeat = jnp.concatenate(
         [jnp.zeros_like(pos_bls[..., :1], bool), pos_bls[..., 1:] == pos_bls[..., :-1]], axis=-1
