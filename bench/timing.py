@@ -2,6 +2,7 @@
 per-kernel GPU times from the JAX profiler, the collectives of a compiled program,
 `name:key=value,...` tuning configurations, and the rows the benchmarks print and write."""
 
+import bisect
 import collections
 import glob
 import json
@@ -55,10 +56,8 @@ def pipelined_ms(fn, reps, sync):
     return (time.perf_counter() - start) * 1e3 / reps
 
 
-def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU"):
-    """{GPU kernel name: microseconds per call of fn()} from a profiler trace of `reps` calls
-    (XLA fusions by their HLO name, Pallas kernels by their kernel function's name), summed over
-    the planes whose name starts with `plane_prefix` (e.g. "/device:GPU:0" for one GPU)."""
+def trace(fn, reps):
+    """The profiler's ProfileData of `reps` calls of fn() (after one untraced call)."""
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
@@ -67,17 +66,84 @@ def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU"):
         jax.block_until_ready(out)
         jax.profiler.stop_trace()
         (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
-    totals = collections.Counter()
+        return jax.profiler.ProfileData.from_file(path)
+
+
+def _kernel_lines(data, plane_prefix):
+    """(plane name, line) of the per-stream kernel lines (not the summaries) of the planes whose
+    name starts with `plane_prefix`."""
     for plane in data.planes:
-        if not plane.name.startswith(plane_prefix):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):  # the per-stream kernel lines, not summaries
-                continue
-            for event in line.events:
-                totals[event.name] += event.duration_ns / 1e3 / reps
+        if plane.name.startswith(plane_prefix):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    yield plane.name, line
+
+
+def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU", data=None):
+    """{GPU kernel name: microseconds per call of fn()} from a profiler trace of `reps` calls
+    (XLA fusions by their HLO name, Pallas kernels by their kernel function's name), summed over
+    the planes whose name starts with `plane_prefix` (e.g. "/device:GPU:0" for one GPU); `data`:
+    a trace of those calls already taken (`trace`)."""
+    data = data or trace(fn, reps)
+    totals = collections.Counter()
+    for _, line in _kernel_lines(data, plane_prefix):
+        for event in line.events:
+            totals[event.name] += event.duration_ns / 1e3 / reps
     return dict(totals.most_common())
+
+
+def _merged(intervals):
+    """The union of (start, end) intervals as sorted disjoint intervals."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _uncovered_ns(start, end, merged):
+    """How much of [start, end) the sorted disjoint intervals `merged` leave uncovered."""
+    i = bisect.bisect_right([s for s, _ in merged], start) - 1
+    covered = 0
+    for s, e in merged[max(i, 0) :]:
+        if s >= end:
+            break
+        covered += max(0, min(e, end) - max(s, start))
+    return end - start - covered
+
+
+def timeline_us(data, reps):
+    """Per GPU plane, per call, in microseconds: the span from its first kernel to its last, the
+    time some non-NCCL kernel runs (compute), the NCCL kernels' total and the part of it no
+    compute kernel overlaps (exposed: waiting for the other GPUs or moving data), the time no
+    kernel runs (idle); and each NCCL kernel's exposed time."""
+    planes = collections.defaultdict(lambda: ([], []))
+    for plane, line in _kernel_lines(data, "/device:GPU"):
+        for event in line.events:
+            nccl = event.name.startswith("ncclDevKernel")
+            planes[plane][nccl].append((event.start_ns, event.end_ns, event.name))
+    result = {}
+    for plane, (compute, nccl) in sorted(planes.items()):
+        every = compute + nccl
+        span = max(e for _, e, _ in every) - min(s for s, _, _ in every)
+        busy = _merged([(s, e) for s, e, _ in compute])
+        exposed = collections.Counter()
+        for s, e, name in nccl:
+            exposed[name.split("(")[0]] += _uncovered_ns(s, e, busy)
+        parts = dict(
+            span=span,
+            compute=sum(e - s for s, e in busy),
+            nccl=sum(e - s for s, e, _ in nccl),
+            nccl_exposed=sum(exposed.values()),
+        )
+        parts["idle"] = span - parts["compute"] - parts["nccl_exposed"]
+        result[plane] = {
+            "parts": {k: v / 1e3 / reps for k, v in parts.items()},
+            "exposed": {k: v / 1e3 / reps for k, v in exposed.most_common()},
+        }
+    return result
 
 
 # A collective's result in optimized HLO: plain (synchronous, or inside an async computation) or

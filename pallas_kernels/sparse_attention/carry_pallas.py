@@ -3,22 +3,23 @@
 On one device query i attends to the kc most recent keys of its LSH bucket and the kc best-scored
 keys among positions 0..i. What the earlier shards can add to those sets is bounded: per bucket
 their kc most recent keys, and their kc best-scored keys (`carry.carried_rows`: the decode cache's
-contents). So the shard's kernels run over one longer sequence, the carried rows first, each key
-once and in global order, then the shard's own positions:
+contents). So the shard's kernels run over one longer sequence of keys, the carried rows first,
+each key once and in global order, then the shard's own positions:
 
-    [carried keys (c) | empty rows (r - c) | the shard's queries and keys (l)]
+    keys     [carried keys (c) | empty rows (r - c) | the shard's keys (l)]
+    queries                                          [the shard's queries (l)]
 
-The shard's rows sit at a fixed offset r, so the sequence is a concatenation and the outputs a
-slice (a scatter at the offset c took 8.2 ms of a 4-layer 64K step on H200, and its JVP built u32
-arrays of the whole (r + l, e) width). Over it the kernels' own rules (the kc most recent of a
-bucket at or before i; the kc best scores at or before i, ties to the earlier key; a key in both
-sets counted once) select exactly the keys one device selects over the whole prefix: a carried key
-outside both of those bounded sets is never picked, because every key that outranks it is carried
-too. Buckets are centred over the whole prefix (`carry.buckets_after`); carried keys keep their
-own. Empty rows (and a key carried twice, after its first copy) are inert: bucket n_buckets, which
-no real query has, and score -inf, which the ks selection never takes (tiling.ks_layout). The
-carried rows' queries are inert too (bucket n_buckets; their outputs dropped). Gradients of the
-carried keys and values go back through the gather to the shards that published them.
+The queries are the last l key positions (the kernels compute nothing for the carried rows; as
+queries they took a quarter of a 64K shard's sparse-attention time on H200). r is rounded up to
+the kernels' block, so the shard's rows sit at a fixed offset and the keys are a concatenation.
+Over them the kernels' own rules (the kc most recent of a bucket at or before i; the kc best
+scores at or before i, ties to the earlier key; a key in both sets counted once) select exactly
+the keys one device selects over the whole prefix: a carried key outside both of those bounded
+sets is never picked, because every key that outranks it is carried too. Buckets are centred
+over the whole prefix (`carry.buckets_after`); carried keys keep their own. Empty rows (and a key
+carried twice, after its first copy) are inert: bucket n_buckets, which no query has, and score
+-inf, which the ks selection never takes (tiling.ks_layout). Gradients of the carried keys and
+values go back through the gather to the shards that published them.
 
 Letters: b batch, t local position, r carried row, x position in the longer sequence.
 """
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from .carry import EMPTY, Summary, carried_rows, dedupe_rows, take_rows
 from .ops import sparse_attention_of_layout
-from .pallas import layout_of
+from .pallas import layout_of, padded_length
 from .spec import SparseSpec
 from .tiling import BlockSizes
 
@@ -42,9 +43,11 @@ def attend(
     over the whole prefix) are this shard's; `gathered` every shard's `carry.summarise`, with
     buckets when the pattern has lsh."""
     b, l, _ = q.shape
+    blocks = BlockSizes()
     rows = carried_rows(gathered, offset, shards, spec, l)
     rows_br = jnp.concatenate([rows[c].reshape(b, -1) for c in spec.components], axis=1)
-    r = rows_br.shape[1]
+    r = padded_length(rows_br.shape[1], blocks)  # the queries start at a block
+    rows_br = jnp.pad(rows_br, [(0, 0), (0, r - rows_br.shape[1])], constant_values=EMPTY)
     # Each carried key once, in global order, then the empty rows.
     pos_br = jnp.take_along_axis(gathered.pos, jnp.maximum(rows_br, 0), axis=1)
     at_br, real_br = dedupe_rows(pos_br, rows_br, rows_br != EMPTY)
@@ -54,21 +57,17 @@ def attend(
         real = real_br.reshape(b, r, *([1] * (local.ndim - 2)))
         return jnp.concatenate([jnp.where(real, carried.astype(local.dtype), fill), local], axis=1)
 
-    q_x = longer(jnp.zeros((b, r, q.shape[2]), q.dtype), q, 0)
     k_x = longer(take_rows(gathered.k, at_br, real_br), k, 0)
     v_x = longer(take_rows(gathered.v, at_br, real_br), v, 0)
     buckets = scores = None
-    inert = spec.num_buckets if spec.has("lsh") else 0  # carried queries' and empty rows' bucket
+    inert = spec.num_buckets if spec.has("lsh") else 0  # the empty rows' bucket
     if spec.has("lsh"):
-        bucket_q_x = longer(jnp.full((b, r), inert, jnp.int32), bucket_q.astype(jnp.int32), inert)
         bucket_k_x = longer(
             take_rows(gathered.bucket, at_br, real_br), bucket_k.astype(jnp.int32), inert
         )
-        buckets = (bucket_q_x, bucket_k_x)
+        buckets = (bucket_q.astype(jnp.int32), bucket_k_x)
     if spec.has("ks"):
         own = jax.lax.stop_gradient(key_scores.astype(jnp.float32))
         scores = longer(take_rows(gathered.score, at_br, real_br), own, -jnp.inf)
-    blocks = BlockSizes()
-    layout = layout_of(buckets, scores, spec=spec, blocks=blocks, n_buckets=inert + 1)
-    o_x = sparse_attention_of_layout(q_x, k_x, v_x, layout, spec, blocks=blocks)
-    return o_x[:, r:]
+    layout = layout_of(buckets, scores, spec=spec, blocks=blocks, n_buckets=inert + 1, n_queries=l)
+    return sparse_attention_of_layout(q, k_x, v_x, layout, spec, blocks=blocks)

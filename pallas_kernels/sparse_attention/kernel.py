@@ -238,9 +238,9 @@ def _lsh_dv_kernel(
 
 
 def _ks_masks(c, pre_ints_ref, pre_score_ref, own_ints_ref, own_score_ref, q_ints_ref, thr_ref):
-    """Selected (prefix, own) candidates of the block's queries: causal and at least as good
-    as the query's threshold, minus the keys its lsh set holds (same bucket, sorted slot >=
-    hi - kc; q_ints columns: threshold position, bucket, hi - kc)."""
+    """Selected (prefix, own) candidates of the queries at key block c: causal and at least as
+    good as the query's threshold, minus the keys its lsh set holds (same bucket, sorted slot
+    >= hi - kc; q_ints columns: threshold position, bucket, hi - kc)."""
     rows = thr_ref.shape[0]
     i = c * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     thr_score, thr_pos = thr_ref[...], q_ints_ref[:, 0:1]
@@ -259,13 +259,13 @@ def _ks_masks(c, pre_ints_ref, pre_score_ref, own_ints_ref, own_score_ref, q_int
     return pre, own
 
 
-def _ks_fwd_kernel(*refs, has_init):
+def _ks_fwd_kernel(*refs, has_init, first_block):
     """One (query block, e block): prefix + own candidates, from the lsh state if has_init."""
     q_ref, k_ref, v_ref, pre_k_ref, pre_v_ref = refs[:5]
     meta_refs = refs[5:11]
     init_refs, (o_ref, lse_ref) = refs[11:-2], refs[-2:]
     q = q_ref[...]
-    mask_pre, mask_own = _ks_masks(pl.program_id(1), *meta_refs)
+    mask_pre, mask_own = _ks_masks(first_block + pl.program_id(1), *meta_refs)
     rows, width = o_ref.shape
     if has_init:
         lse0 = init_refs[1][...]
@@ -289,6 +289,7 @@ def _ks_bwd_kernel(
     *refs,
     block_e,
     unrolled,
+    first_block,
 ):
     """One query block over the whole e: dq; dk, dv of its own keys; its prefix parts
     (refs: the six _ks_masks arrays, lse, delta, dO; then the five outputs)."""
@@ -296,7 +297,7 @@ def _ks_bwd_kernel(
     lse_ref, delta_ref, do_ref = refs[6:9]
     dq_ref, dk_ref, dv_ref, dk_pre_ref, dv_pre_ref = refs[9:]
     q, k, pre_k = q_ref[...], k_ref[...], pre_k_ref[...]
-    mask_pre, mask_own = _ks_masks(pl.program_id(1), *meta_refs)
+    mask_pre, mask_own = _ks_masks(first_block + pl.program_id(1), *meta_refs)
     lse, delta = lse_ref[...], delta_ref[...]
     p_pre = _probs(_dot(q, pre_k, trans_b=True), mask_pre, lse)
     p_own = _probs(_dot(q, k, trans_b=True), mask_own, lse)
@@ -358,7 +359,7 @@ def _shape(shape, dtype=F32):
 
 def lsh_forward(q_s, k_s, v, lo, hi, lsh, sched, *, cfg):
     """The lsh pass, walking the sorted order (q_s, k_s, lo, hi sorted; v by position):
-    (o (b, L, e) fp32 normalised, lse (b, L, 1)) by position."""
+    (o (b, Lq, e) fp32 normalised, lse (b, Lq, 1)) by query."""
     blocks, variant, _ = cfg
     (b, length, n), e = q_s.shape, v.shape[-1]
     bq, bk, be = blocks.block_q, blocks.block_k, blocks.block_e
@@ -392,10 +393,10 @@ def lsh_forward(q_s, k_s, v, lo, hi, lsh, sched, *, cfg):
 
 def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
     """Gradients of the lsh pass (q_s, k_s, lo, hi, lse_s, delta_s sorted; v, dO by position),
-    fp32: the pairs' dq parts (b, S, BQ, n) and dk parts (b, S, BK, n), and dv (b, L, e) by
+    fp32: the pairs' dq parts (b, S, BQ, n) and dk parts (b, S, BK, n), and dv (b, Lk, e) by
     position."""
     blocks, variant, _ = cfg
-    (b, length, n), e = q_s.shape, v.shape[-1]
+    (b, _, n), e = q_s.shape, v.shape[-1]
     bq, bk, be = blocks.block_q, blocks.block_k, blocks.block_e
     sp = Specs(variant)
     column = ((bq, 1), jnp.int32), ((bq, 1), F32)
@@ -430,6 +431,7 @@ def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
 
     slots = tuple(s for s in slots if s[0] in ("q", "lo", "hi", "lse", "do"))
     slots += (("dv", (bk, be), F32),)
+    k_length = k_s.shape[1]
     kernel = functools.partial(
         _lsh_dv_kernel, block_q=bq, block_e=be, slots=tuple(s[0] for s in slots)
     )
@@ -437,10 +439,10 @@ def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
     args += (q_s, lo, hi, lse_s, do)
     in_specs = [sp.whole(x) for x in args[:5]] + [sp.rows(bk, n, lambda t, j: (t, 0))]
     in_specs += [sp.whole(x) for x in args[6:]]
-    out_shape = _shape((b, length, e))
+    out_shape = _shape((b, k_length, e))
     dv = _call(
         kernel,
-        (b, length // bk, e // be),
+        (b, k_length // bk, e // be),
         in_specs,
         sp.whole(out_shape),
         out_shape,
@@ -452,17 +454,18 @@ def lsh_backward(q_s, k_s, v, lo, hi, lse_s, delta_s, do, lsh, sched, *, cfg):
 
 def ks_forward(q, k, v, ks_args, init, *, out_dtype, cfg):
     """The ks pass in position order, continuing from init = (o_lsh, lse_lsh) or None:
-    (o (b, L, e) in out_dtype, lse (b, L, 1))."""
+    (o (b, Lq, e) in out_dtype, lse (b, Lq, 1)); the queries are the last Lq of the Lk keys."""
     blocks, variant, _ = cfg
     (b, length, n), e = q.shape, v.shape[-1]
     bq, be = blocks.block_q, blocks.block_e
     kcp = ks_args[0].shape[2]
+    first_block = (k.shape[1] - length) // bq
     sp = Specs(variant)
-    in_specs = ks_specs(sp, bq, kcp, n, be, lambda c, j: j)
+    in_specs = ks_specs(sp, bq, kcp, n, be, lambda c, j: j, first_block)
     out_specs = [sp.rows(bq, be, lambda c, j: (c, j)), sp.rows(bq, 1, lambda c, j: (c, 0))]
     init = init or ()
     in_specs += out_specs[: len(init)]
-    kernel = functools.partial(_ks_fwd_kernel, has_init=bool(init))
+    kernel = functools.partial(_ks_fwd_kernel, has_init=bool(init), first_block=first_block)
     out_shape = [_shape((b, length, e), out_dtype), _shape((b, length, 1))]
     return _call(
         kernel,
@@ -476,23 +479,29 @@ def ks_forward(q, k, v, ks_args, init, *, out_dtype, cfg):
 
 
 def ks_backward(q, k, v, ks_args, lse, delta, do, *, cfg):
-    """Gradients of the ks pass: dq, dk, dv of the blocks' own keys (b, L, .) and the prefix
-    parts dk (b, nblocks, kcp, n), dv (b, nblocks, kcp, e); fp32."""
+    """Gradients of the ks pass: dq, dk, dv of the blocks' own keys (b, Lq, .: the last Lq of
+    the keys) and the prefix parts dk (b, nblocks, kcp, n), dv (b, nblocks, kcp, e); fp32."""
     blocks, variant, _ = cfg
     (b, length, n), e = q.shape, v.shape[-1]
     bq = blocks.block_q
     kcp = ks_args[0].shape[2]
+    first_block = (k.shape[1] - length) // bq
     sp = Specs(variant)
     nblocks = length // bq
     column = sp.rows(bq, 1, lambda c: (c, 0))
-    in_specs = ks_specs(sp, bq, kcp, n, e, lambda c: 0)
+    in_specs = ks_specs(sp, bq, kcp, n, e, lambda c: 0, first_block)
     in_specs += [column, column, sp.rows(bq, e, lambda c: (c, 0))]
     out_specs = [sp.rows(bq, n, lambda c: (c, 0)), sp.rows(bq, n, lambda c: (c, 0))]
     out_specs += [sp.rows(bq, e, lambda c: (c, 0))]
     out_specs += [sp.slab((kcp, n), lambda c: (c, 0, 0)), sp.slab((kcp, e), lambda c: (c, 0, 0))]
     out_shape = [_shape((b, length, n))] * 2 + [_shape((b, length, e))]
     out_shape += [_shape((b, nblocks, kcp, n)), _shape((b, nblocks, kcp, e))]
-    kernel = functools.partial(_ks_bwd_kernel, block_e=blocks.block_e, unrolled=variant == "tpu")
+    kernel = functools.partial(
+        _ks_bwd_kernel,
+        block_e=blocks.block_e,
+        unrolled=variant == "tpu",
+        first_block=first_block,
+    )
     return _call(kernel, (b, nblocks), in_specs, out_specs, out_shape, cfg=cfg)(
         q, k, v, *ks_args, lse, delta, do
     )

@@ -125,8 +125,9 @@ def picks_pallas(spec, impl, variant=None) -> bool:
 
 def sparse_attention_of_layout(q, k, v, layout, spec, *, blocks, variant=None):
     """impl="pallas" over a selection the caller built with `blocks` (`pallas.layout_of`, e.g.
-    buckets centred over a whole sequence of which q, k, v are a shard: carry_pallas.py): o (b, l,
-    e) in v.dtype."""
+    buckets centred over a whole sequence of which q, k, v are a shard: carry_pallas.py): o (b,
+    lq, e) in v.dtype. q (b, lq, n) are the queries at the last lq of the lk positions of k (b,
+    lk, n) and v (b, lk, e) (lq < lk: layout_of(n_queries=lq))."""
     variant = variant or backend.default_variant()
     _check_pallas(spec, variant, blocks)
     cfg = (pallas.effective_blocks(blocks, v.shape[-1]), variant, None)

@@ -15,8 +15,11 @@ member of its set. A key scored -inf is never selected (padding; the empty rows 
 shard's carried keys, carry_pallas.py): where fewer than kc finite keys precede a query, its
 threshold (-inf, position -1) admits exactly the finite ones.
 
-Letters: b batch, l length, L padded length, m merged keys + queries, c query block, r row in a
-block, t key tile, s scheduled pair, j slot of a top-k.
+Queries may be fewer than keys: the lq queries are then the last lq key positions (a sequence
+shard's queries after the earlier shards' carried keys, carry_pallas.py), and nothing is computed
+for the keys before them. Letters: b batch, l length, L padded length (Lq of the queries, Lk of
+the keys), m merged keys + queries, c query block, r row in a block, t key tile, s scheduled
+pair, j slot of a top-k.
 
 Row access: rows chosen at run time, for both kernel variants: "gpu" (Triton) indexes the whole
 array through pointers; "tpu" (Mosaic, whose blocks cannot follow data) copies the rows between HBM
@@ -52,17 +55,19 @@ EMPTY_POS = 2**30
 
 
 class LshLayout(NamedTuple):
-    """The (bucket, position) order; padding rows l..L-1 map to themselves and select nothing."""
+    """The (bucket, position) order; padding rows map to themselves and select nothing. Keys
+    are indexed by position (Lk of them), queries by their index (Lq; query i sits at key
+    position Lk - Lq + i)."""
 
-    key_perm: jax.Array  # (b, L) position of the key at each sorted slot
-    key_slot: jax.Array  # (b, L) sorted slot of the key at each position (inverse)
-    query_perm: jax.Array  # (b, L) position of the query at each sorted index
-    query_rank: jax.Array  # (b, L) sorted index of the query at each position (inverse)
-    lo: jax.Array  # (b, L) first slot of each sorted query's lsh set
-    hi: jax.Array  # (b, L) one past its last slot (the insertion point)
-    hi_by_pos: jax.Array  # (b, L) hi of the query at each position
-    bucket_q: jax.Array  # (b, L) query buckets by position (padding -1)
-    bucket_k: jax.Array  # (b, L) key buckets by position (padding -1)
+    key_perm: jax.Array  # (b, Lk) position of the key at each sorted slot
+    key_slot: jax.Array  # (b, Lk) sorted slot of the key at each position (inverse)
+    query_perm: jax.Array  # (b, Lq) index of the query at each sorted index
+    query_rank: jax.Array  # (b, Lq) sorted index of each query (inverse)
+    lo: jax.Array  # (b, Lq) first slot of each sorted query's lsh set
+    hi: jax.Array  # (b, Lq) one past its last slot (the insertion point)
+    hi_by_pos: jax.Array  # (b, Lq) hi of each query, by index
+    bucket_q: jax.Array  # (b, Lq) query buckets by index (padding -1)
+    bucket_k: jax.Array  # (b, Lk) key buckets by position (padding -1)
 
 
 class Schedule(NamedTuple):
@@ -81,68 +86,74 @@ class Schedule(NamedTuple):
 class KsLayout(NamedTuple):
     """Per query block the running top-kc before it; per query its threshold."""
 
-    scores: jax.Array  # (b, L) fp32 key scores, padding -inf
+    scores: jax.Array  # (b, Lk) fp32 key scores by position, padding -inf
     prefix_pos: jax.Array  # (b, nblocks, kc) positions, EMPTY_POS where fewer keys came before
     prefix_scores: jax.Array  # (b, nblocks, kc) their scores (-inf where empty)
-    threshold_score: jax.Array  # (b, L) worst member's score; +inf for padding queries
-    threshold_pos: jax.Array  # (b, L) worst member's position; -1 for padding queries and
+    threshold_score: jax.Array  # (b, Lq) worst member's score; +inf for padding queries
+    threshold_pos: jax.Array  # (b, Lq) worst member's position; -1 for padding queries and
     # where the worst is -inf (no -inf key is selected)
 
 
-def _sort_by_bucket(bucket_m, order_m, n_buckets):
-    """Sort (bucket, order) pairs by bucket then order (order < 2^bits distinct). Packed into
-    one int32 key when it fits: a single-array sort is a radix sort on GPU."""
-    bits = max(1, (order_m.shape[-1] - 1).bit_length())
+def _sort_by_bucket(bucket_m, order_m, n_buckets, order_bound):
+    """Sort (bucket, order) pairs by bucket then order (distinct orders < order_bound). Packed
+    into one int32 key when it fits: a single-array sort is a radix sort on GPU."""
+    bits = max(1, (order_bound - 1).bit_length())
     if n_buckets << bits <= 2**31:
         packed = jnp.sort((bucket_m << bits) | order_m)
         return packed >> bits, packed & ((1 << bits) - 1)
     return jax.lax.sort((bucket_m, order_m), num_keys=2)
 
 
-def _lsh_order(bucket_q_l, bucket_k_l, kc, length, n_buckets):
+def _lsh_order(bucket_q_l, bucket_k_l, kc, q_length, k_length, n_buckets):
     """LshLayout fields of one batch row (see `lsh_layout`)."""
-    l = bucket_q_l.shape[0]
-    pos_l = jnp.arange(l, dtype=jnp.int32)
+    lq, lk = bucket_q_l.shape[0], bucket_k_l.shape[0]
+    first = lk - lq  # the position of query 0 among the keys
+    key_pos = jnp.arange(lk, dtype=jnp.int32)
+    query_pos = first + jnp.arange(lq, dtype=jnp.int32)
     # Key j sorts just before query j (order 2j vs 2j + 1), as in indexed._lsh_indices.
     bucket_m, order_m = _sort_by_bucket(
         jnp.concatenate([bucket_k_l, bucket_q_l]),
-        jnp.concatenate([2 * pos_l, 2 * pos_l + 1]),
+        jnp.concatenate([2 * key_pos, 2 * query_pos + 1]),
         n_buckets,
+        2 * lk,
     )
     is_key_m = order_m % 2 == 0
-    src_m = order_m // 2
+    src_m = order_m // 2 - jnp.where(is_key_m, 0, first)  # key position, or query index
     hi_m = jnp.cumsum(is_key_m, dtype=jnp.int32)  # keys sorted at or before each entry
     run_start_m = jnp.concatenate([jnp.ones(1, bool), bucket_m[1:] != bucket_m[:-1]])
     bucket_first_m = jax.lax.cummax(jnp.where(run_start_m, hi_m - is_key_m, 0))
     lo_m = jnp.maximum(hi_m - kc, bucket_first_m)
-    index_m = jnp.arange(2 * l, dtype=jnp.int32)
-    key_slot_m = jnp.where(is_key_m, hi_m - 1, length)  # out of range: dropped
-    query_index_m = jnp.where(is_key_m, length, index_m - hi_m)
-    identity = jnp.arange(length, dtype=jnp.int32)
-    key_perm = identity.at[key_slot_m].set(src_m, mode="drop")
-    query_perm = identity.at[query_index_m].set(src_m, mode="drop")
-    lo = jnp.full(length, l, jnp.int32).at[query_index_m].set(lo_m, mode="drop")
-    hi = jnp.full(length, l, jnp.int32).at[query_index_m].set(hi_m, mode="drop")
-    key_slot = jnp.zeros(length, jnp.int32).at[key_perm].set(identity)
-    query_rank = jnp.zeros(length, jnp.int32).at[query_perm].set(identity)
-    hi_by_pos = jnp.zeros(length, jnp.int32).at[query_perm].set(hi)
+    index_m = jnp.arange(lk + lq, dtype=jnp.int32)
+    key_slot_m = jnp.where(is_key_m, hi_m - 1, k_length)  # out of range: dropped
+    query_index_m = jnp.where(is_key_m, q_length, index_m - hi_m)
+    keys, queries = jnp.arange(k_length, dtype=jnp.int32), jnp.arange(q_length, dtype=jnp.int32)
+    key_perm = keys.at[key_slot_m].set(src_m, mode="drop")
+    query_perm = queries.at[query_index_m].set(src_m, mode="drop")
+    lo = jnp.full(q_length, lk, jnp.int32).at[query_index_m].set(lo_m, mode="drop")
+    hi = jnp.full(q_length, lk, jnp.int32).at[query_index_m].set(hi_m, mode="drop")
+    key_slot = jnp.zeros(k_length, jnp.int32).at[key_perm].set(keys)
+    query_rank = jnp.zeros(q_length, jnp.int32).at[query_perm].set(queries)
+    hi_by_pos = jnp.zeros(q_length, jnp.int32).at[query_perm].set(hi)
     return key_perm, key_slot, query_perm, query_rank, lo, hi, hi_by_pos
 
 
-def lsh_layout(bucket_q_bl, bucket_k_bl, kc, length, n_buckets):
-    """The sorted order of keys and queries and each sorted query's lsh slots [lo, hi), padded
-    to `length`; buckets in [0, n_buckets)."""
-    fields = jax.vmap(lambda q, k: _lsh_order(q, k, kc, length, n_buckets))(
+def lsh_layout(bucket_q_bl, bucket_k_bl, kc, q_length, k_length, n_buckets):
+    """The sorted order of keys and queries and each sorted query's lsh slots [lo, hi); buckets
+    in [0, n_buckets). The lq queries are the last lq of the lk key positions (lq = lk: every
+    position is both); the query fields are padded to q_length, the key fields to k_length."""
+    fields = jax.vmap(lambda q, k: _lsh_order(q, k, kc, q_length, k_length, n_buckets))(
         bucket_q_bl, bucket_k_bl
     )
-    pad = [(0, 0), (0, length - bucket_q_bl.shape[1])]
-    buckets = [jnp.pad(x, pad, constant_values=-1) for x in (bucket_q_bl, bucket_k_bl)]
+    buckets = [
+        jnp.pad(x, [(0, 0), (0, length - x.shape[1])], constant_values=-1)
+        for x, length in ((bucket_q_bl, q_length), (bucket_k_bl, k_length))
+    ]
     return LshLayout(*fields, *buckets)
 
 
-def tile_schedule(lo_bL, hi_bL, block_q, block_k, kc):
-    """The key tiles (of block_k sorted slots) that each block of block_q sorted queries needs,
-    given nondecreasing lsh slot ranges [lo, hi) of width <= kc.
+def tile_schedule(lo_bL, hi_bL, block_q, block_k, kc, k_length):
+    """The key tiles (of block_k of the k_length sorted slots) that each block of block_q sorted
+    queries needs, given nondecreasing lsh slot ranges [lo, hi) of width <= kc.
 
     Each query adds the tiles of its range past the last tile of the earlier queries of its
     block: a tile never repeats within a block and no tile outside the union is listed. A
@@ -150,7 +161,7 @@ def tile_schedule(lo_bL, hi_bL, block_q, block_k, kc):
     monotonically, so there are at most ntiles + nblocks * tmax pairs (the static size S).
     """
     b, length = lo_bL.shape
-    nblocks, ntiles = length // block_q, length // block_k
+    nblocks, ntiles = length // block_q, k_length // block_k
     tmax = (kc - 1) // block_k + 2
     size = ntiles + nblocks * tmax
     nonempty = hi_bL > lo_bL
@@ -198,9 +209,11 @@ def _top(scores_zw, pos_zw, kc):
     return top_zj, jnp.take_along_axis(pos_zw, index_zj, axis=-1)
 
 
-def ks_layout(key_scores_bl, kc, block_q, length):
+def ks_layout(key_scores_bl, kc, block_q, length, first_query=0):
     """Running top-kc before every query block (parallel prefix over blocks) and each query's
-    threshold (the kc-th best of [0..i], or the worst when fewer keys came before)."""
+    threshold (the kc-th best of [0..i], or the worst when fewer keys came before), for the
+    queries at key positions first_query.. (a multiple of block_q) of the keys padded to
+    `length`."""
     b, l = key_scores_bl.shape
     nblocks = length // block_q
     scores_bL = jax.lax.stop_gradient(key_scores_bl.astype(jnp.float32))
@@ -247,12 +260,13 @@ def ks_layout(key_scores_bl, kc, block_q, length):
     threshold_pos = jnp.where(index_bcr < kc, from_prefix, from_block).reshape(b, length)
     threshold_pos = jnp.where(threshold_score > -jnp.inf, threshold_pos, -1)
     real = pos_L < l
+    first_block = first_query // block_q
     return KsLayout(
         scores=scores_bL,
-        prefix_pos=prefix_p,
-        prefix_scores=prefix_s,
-        threshold_score=jnp.where(real, threshold_score, jnp.inf),
-        threshold_pos=jnp.where(real, threshold_pos, -1).astype(jnp.int32),
+        prefix_pos=prefix_p[:, first_block:],
+        prefix_scores=prefix_s[:, first_block:],
+        threshold_score=jnp.where(real, threshold_score, jnp.inf)[:, first_query:],
+        threshold_pos=jnp.where(real, threshold_pos, -1).astype(jnp.int32)[:, first_query:],
     )
 
 
@@ -363,14 +377,16 @@ class Loader:
         jax.lax.fori_loop(0, size, wait, 0)
 
 
-def ks_specs(sp, bq, kcp, n, width, col):
+def ks_specs(sp, bq, kcp, n, width, col, first_block=0):
     """Specs of q, k, v, prefix k, prefix v and the six selection arrays of a ks block (v
-    columns `width` wide at column block col(*grid))."""
+    columns `width` wide at column block col(*grid)); the block's own keys are key block
+    first_block + c of query block c."""
     row = lambda *g: (g[0], 0)  # noqa: E731
+    own = lambda *g: (g[0] + first_block, 0)  # noqa: E731
     return [
         sp.rows(bq, n, row),
-        sp.rows(bq, n, row),
-        sp.rows(bq, width, lambda *g: (g[0], col(*g))),
+        sp.rows(bq, n, own),
+        sp.rows(bq, width, lambda *g: (g[0] + first_block, col(*g))),
         sp.slab((kcp, n), lambda *g: (g[0], 0, 0)),
         sp.slab((kcp, width), lambda *g: (g[0], 0, col(*g))),
         sp.slab((3, kcp), lambda *g: (g[0], 0, 0)),

@@ -11,8 +11,11 @@ import pytest
 from kernel_checks import COMPILED, assert_close
 
 from pallas_kernels.backend import lower_for
-from pallas_kernels.sparse_attention import sparse_attention
-from pallas_kernels.sparse_attention.tiling import lsh_layout, tile_schedule
+from pallas_kernels.sparse_attention import SparseSpec, sparse_attention
+from pallas_kernels.sparse_attention.ops import sparse_attention_of_layout
+from pallas_kernels.sparse_attention.pallas import layout_of
+from pallas_kernels.sparse_attention.reference import running_buckets
+from pallas_kernels.sparse_attention.tiling import BlockSizes, lsh_layout, tile_schedule
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # Forward and gradient tolerances per input dtype. bf16: outputs and gradients are rounded to
@@ -111,6 +114,60 @@ def test_keys_scored_minus_inf_are_never_selected():
     check_against_indexed(inputs, F32, blocks, pattern="lsh+ks", num_keys=24, binning="sign")
 
 
+@pytest.mark.parametrize("pattern, dtype", [("lsh+ks", F32), ("lsh", F32), ("ks", BF16)])
+def test_queries_after_leading_keys(pattern, dtype):
+    """Queries that are the last 38 of 70 keys (a sequence shard's after 32 carried keys,
+    carry_pallas.py), nothing computed for the first 32 as queries: o and the gradients of q, k
+    and v equal the indexed path's over the whole sequence at those queries."""
+    lk, first = 70, 32
+    inputs = make_inputs(2, lk, 8, 6, 3, dtype, seed=5)
+    spec = SparseSpec(pattern=pattern, num_keys=12, hash_bits=3)
+    blocks = BlockSizes(block_q=16, block_k=16, block_e=16)
+    buckets = scores = None
+    n_buckets = spec.num_buckets if spec.has("lsh") else 0
+    if spec.has("lsh"):
+        bucket_q, bucket_k = (
+            running_buckets(inputs[x], inputs["hash_proj"], spec.binning) for x in ("q", "k")
+        )
+        buckets = (bucket_q[:, first:], bucket_k)
+    if spec.has("ks"):
+        scores = inputs["key_scores"]
+    layout = layout_of(
+        buckets, scores, spec=spec, blocks=blocks, n_buckets=n_buckets, n_queries=lk - first
+    )
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((2, lk - first, 6)), dtype)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    selection = dict(hash_proj=inputs["hash_proj"], key_scores=inputs["key_scores"])
+
+    def tail(q_tail, k, v):
+        return sparse_attention_of_layout(q_tail, k, v, layout, spec, blocks=blocks)
+
+    def whole(q, k, v):
+        return sparse_attention(q, k, v, spec=spec, impl="indexed", **selection)[:, first:]
+
+    o, vjp = jax.vjp(jax.jit(tail), q[:, first:], k, v)
+    o_ref, vjp_ref = jax.vjp(whole, q, k, v)
+    assert o.shape == o_ref.shape == w.shape
+    assert_close(o, o_ref, TOL[dtype], "o")
+    grads, grads_ref = vjp(w), vjp_ref(w)
+    assert_close(grads[0], grads_ref[0][:, first:], GRAD_TOL[dtype], "q")
+    for name, got, want in zip("kv", grads[1:], grads_ref[1:]):
+        assert_close(got, want, GRAD_TOL[dtype], name)
+
+
+@pytest.mark.parametrize(
+    "lk, lq, match", [(70, 50, "must be a nonnegative multiple of"), (30, 40, "-10 = 30 keys")]
+)
+def test_queries_after_leading_keys_refuses_unaligned(lk, lq, match):
+    """Leading keys that are not a whole number of blocks (or fewer keys than queries): a
+    ValueError naming the counts."""
+    spec = SparseSpec(pattern="ks", num_keys=4)
+    with pytest.raises(ValueError, match=match):
+        layout_of(
+            None, jnp.zeros((1, lk)), spec=spec, blocks=BlockSizes(), n_buckets=0, n_queries=lq
+        )
+
+
 def test_tpu_variant_interpret():
     """The tpu variant (Mosaic semantics: DMA of run-time tiles, SMEM schedules) in TPU
     interpret mode on a tiny shape."""
@@ -157,47 +214,58 @@ def test_lowers_at_hax_shape(platform, variant):
 
 
 def _brute_lsh_sets(bucket_q, bucket_k, kc):
-    """Per query the kc most recent keys j <= i of its bucket (one batch row)."""
+    """Per query the kc most recent keys j <= its position of its bucket (one batch row; the
+    queries are the last len(bucket_q) key positions)."""
+    first = len(bucket_k) - len(bucket_q)
     sets = []
     for i, bq in enumerate(bucket_q):
-        same = [j for j in range(i + 1) if bucket_k[j] == bq]
+        same = [j for j in range(first + i + 1) if bucket_k[j] == bq]
         sets.append(set(same[-kc:]))
     return sets
 
 
-@pytest.mark.parametrize("n_buckets", [5, 2**30])  # packed int32 sort, two-key sort
-def test_layout_and_schedule(n_buckets):
+# (n_buckets, queries): the packed int32 sort and the two-key sort; every key a query, or the
+# queries the last 58 of 90 keys (a sequence shard's after 32 carried keys).
+@pytest.mark.parametrize("n_buckets, lq", [(5, 90), (2**30, 90), (5, 58)])
+def test_layout_and_schedule(n_buckets, lq):
     """Each sorted query's slots [lo, hi) hold exactly its lsh set; each query block lists
     exactly the key tiles its queries need; the transposed schedule lists the same pairs."""
     rng = np.random.default_rng(4)
-    b, l, kc, block_q, block_k, length = 2, 90, 7, 16, 8, 96
-    draw = lambda: rng.integers(0, 5, (b, l)) * (n_buckets // 5)  # noqa: E731
-    bucket_q, bucket_k = draw(), draw()
-    lay = jax.jit(lsh_layout, static_argnums=(2, 3, 4))(
-        jnp.asarray(bucket_q, jnp.int32), jnp.asarray(bucket_k, jnp.int32), kc, length, n_buckets
+    b, lk, kc, block_q, block_k, k_length = 2, 90, 7, 16, 8, 96
+    q_length = k_length - (lk - lq)
+    draw = lambda l: rng.integers(0, 5, (b, l)) * (n_buckets // 5)  # noqa: E731
+    bucket_q, bucket_k = draw(lq), draw(lk)
+    lay = jax.jit(lsh_layout, static_argnums=(2, 3, 4, 5))(
+        jnp.asarray(bucket_q, jnp.int32),
+        jnp.asarray(bucket_k, jnp.int32),
+        kc,
+        q_length,
+        k_length,
+        n_buckets,
     )
-    schedule = jax.jit(tile_schedule, static_argnums=(2, 3, 4))
-    sched = jax.tree.map(np.asarray, schedule(lay.lo, lay.hi, block_q, block_k, kc))
+    schedule = jax.jit(tile_schedule, static_argnums=(2, 3, 4, 5))
+    sched = schedule(lay.lo, lay.hi, block_q, block_k, kc, k_length)
+    sched = jax.tree.map(np.asarray, sched)
     lo, hi = np.asarray(lay.lo), np.asarray(lay.hi)
     key_perm, query_perm = np.asarray(lay.key_perm), np.asarray(lay.query_perm)
     for row in range(b):
         brute = _brute_lsh_sets(bucket_q[row], bucket_k[row], kc)
         need = {}
-        for s in range(length):
+        for s in range(q_length):
             got = set(key_perm[row, lo[row, s] : hi[row, s]].tolist())
             i = query_perm[row, s]
-            assert got == (brute[i] if i < l else set()), (row, i)
+            assert got == (brute[i] if i < lq else set()), (row, i)
             tiles = range(lo[row, s] // block_k, -(-hi[row, s] // block_k))
             need.setdefault(s // block_q, set()).update(tiles if hi[row, s] > lo[row, s] else ())
         pairs = []
-        for c in range(length // block_q):
+        for c in range(q_length // block_q):
             start, count = sched.block_offset[row, c], sched.block_count[row, c]
             tiles = sched.pair_tile[row, start : start + count].tolist()
             assert tiles == sorted(need[c]), c
             pairs += [(t, c) for t in tiles]
         assert int(sched.pair_count[row]) == len(pairs) <= sched.pair_tile.shape[1]
         transposed = []
-        for t in range(length // block_k):
+        for t in range(k_length // block_k):
             start, count = sched.tile_offset[row, t], sched.tile_count[row, t]
             transposed += [(t, int(c)) for c in sched.tile_block[row, start : start + count]]
         assert transposed == sorted(pairs)
