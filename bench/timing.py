@@ -114,11 +114,12 @@ def _uncovered_ns(start, end, merged):
     return end - start - covered
 
 
-def timeline_us(data, reps):
+def timeline_us(data, reps, gaps=0):
     """Per GPU plane, per call, in microseconds: the span from its first kernel to its last, the
     time some non-NCCL kernel runs (compute), the NCCL kernels' total and the part of it no
     compute kernel overlaps (exposed: waiting for the other GPUs or moving data), the time no
-    kernel runs (idle); and each NCCL kernel's exposed time."""
+    kernel runs (idle); each NCCL kernel's exposed time; and the `gaps` longest idle stretches
+    (`_longest_gaps`, over all calls)."""
     planes = collections.defaultdict(lambda: ([], []))
     for plane, line in _kernel_lines(data, "/device:GPU"):
         for event in line.events:
@@ -142,8 +143,22 @@ def timeline_us(data, reps):
         result[plane] = {
             "parts": {k: v / 1e3 / reps for k, v in parts.items()},
             "exposed": {k: v / 1e3 / reps for k, v in exposed.most_common()},
+            "gaps": _longest_gaps(every, gaps),
         }
     return result
+
+
+def _longest_gaps(events, count):
+    """The `count` longest stretches with no kernel running, in microseconds, each with the
+    kernels that end before and start after it: [(us, before, after)]."""
+    ordered = sorted(events)
+    found, reach, last = [], None, None
+    for start, end, name in ordered:
+        if reach is not None and start > reach:
+            found.append(((start - reach) / 1e3, last[:60], name[:60]))
+        if reach is None or end > reach:
+            reach, last = end, name
+    return sorted(found, reverse=True)[:count]
 
 
 # A collective's result in optimized HLO: plain (synchronous, or inside an async computation) or

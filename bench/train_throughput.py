@@ -147,12 +147,14 @@ def measure(
                 return step_metrics
 
             data = timing.trace(one_step, reps=3)
-            for plane, timeline in timing.timeline_us(data, reps=3).items():
+            for plane, timeline in timing.timeline_us(data, reps=3, gaps=8).items():
                 listed = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in timeline["parts"].items())
                 where = plane.removeprefix("/device:")
                 print(f"timeline of {name} on {where}, ms a step: {listed}")
                 for kernel, us in timeline["exposed"].items():
                     print(f"  {us / 1e3:8.3f} ms exposed  {kernel}")
+                for us, before, after in timeline["gaps"]:
+                    print(f"  {us / 1e3:8.3f} ms idle  after {before}  before {after}")
             times = timing.kernel_times_us(None, reps=3, plane_prefix="/device:GPU:0", data=data)
             print(f"GPU:0 kernels of {name}: {sum(times.values()) / 1e3:.2f} ms per step")
             for kernel, us in list(times.items())[:profile]:
