@@ -118,8 +118,9 @@ def timeline_us(data, reps, gaps=0):
     """Per GPU plane, per call, in microseconds: the span from its first kernel to its last, the
     time some non-NCCL kernel runs (compute), the NCCL kernels' total and the part of it no
     compute kernel overlaps (exposed: waiting for the other GPUs or moving data), the time no
-    kernel runs (idle); each NCCL kernel's exposed time; and the `gaps` longest idle stretches
-    (`_longest_gaps`, over all calls)."""
+    kernel runs (idle); each NCCL kernel's exposed time; the `gaps` compute kernels that run
+    longest beside an NCCL kernel, and the `gaps` longest idle stretches (`_longest_gaps`, over
+    all calls)."""
     planes = collections.defaultdict(lambda: ([], []))
     for plane, line in _kernel_lines(data, "/device:GPU"):
         for event in line.events:
@@ -140,9 +141,15 @@ def timeline_us(data, reps, gaps=0):
             nccl_exposed=sum(exposed.values()),
         )
         parts["idle"] = span - parts["compute"] - parts["nccl_exposed"]
+        # Compute kernels sharing the GPU with a collective (its SMs and memory bandwidth).
+        comm = _merged([(s, e) for s, e, _ in nccl])
+        shared = collections.Counter()
+        for s, e, name in compute:
+            shared[name] += e - s - _uncovered_ns(s, e, comm)
         result[plane] = {
             "parts": {k: v / 1e3 / reps for k, v in parts.items()},
             "exposed": {k: v / 1e3 / reps for k, v in exposed.most_common()},
+            "beside_nccl": {k: v / 1e3 / reps for k, v in shared.most_common(gaps) if v},
             "gaps": _longest_gaps(every, gaps),
         }
     return result

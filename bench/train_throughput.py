@@ -153,6 +153,8 @@ def measure(
                 print(f"timeline of {name} on {where}, ms a step: {listed}")
                 for kernel, us in timeline["exposed"].items():
                     print(f"  {us / 1e3:8.3f} ms exposed  {kernel}")
+                for kernel, us in timeline["beside_nccl"].items():
+                    print(f"  {us / 1e3:8.3f} ms beside NCCL  {kernel[:80]}")
                 for us, before, after in timeline["gaps"]:
                     print(f"  {us / 1e3:8.3f} ms idle  after {before}  before {after}")
             times = timing.kernel_times_us(None, reps=3, plane_prefix="/device:GPU:0", data=data)
