@@ -234,39 +234,40 @@ def ks_layout(key_scores_bl, kc, block_q, length, first_query=0):
 
     run_s, run_p = jax.lax.associative_scan(merge, own, axis=1)
     shift = [(0, 0), (1, 0), (0, 0)]
-    prefix_s = jnp.pad(run_s[:, :-1], shift, constant_values=-jnp.inf)
-    prefix_p = jnp.pad(run_p[:, :-1], shift, constant_values=EMPTY_POS)
+    # From here on only the query blocks: the keys before first_query are no queries.
+    first_block = first_query // block_q
+    nq = nblocks - first_block
+    prefix_s = jnp.pad(run_s[:, :-1], shift, constant_values=-jnp.inf)[:, first_block:]
+    prefix_p = jnp.pad(run_p[:, :-1], shift, constant_values=EMPTY_POS)[:, first_block:]
+    scores_bcr = scores_bcr[:, first_block:]
     # Candidates of row r: the prefix (earlier positions) then the block's keys up to r.
     r_r = jnp.arange(block_q)
     causal_rr = r_r[None, :] <= r_r[:, None]
     cand_bcrw = jnp.concatenate(
         [
-            jnp.broadcast_to(prefix_s[:, :, None, :], (b, nblocks, block_q, kc)),
+            jnp.broadcast_to(prefix_s[:, :, None, :], (b, nq, block_q, kc)),
             jnp.where(causal_rr, scores_bcr[:, :, None, :], -jnp.inf),
         ],
         axis=-1,
     )
     top_bcrj, index_bcrj = jax.lax.top_k(cand_bcrw, kc)
     # The worst member: slot min(kc, #causal candidates) - 1 of the sorted top-kc.
-    start_c = jnp.arange(nblocks, dtype=jnp.int32) * block_q
+    start_c = (first_block + jnp.arange(nq, dtype=jnp.int32)) * block_q
     n_causal_cr = jnp.minimum(kc, start_c)[:, None] + r_r[None, :] + 1
-    worst_bcr1 = jnp.broadcast_to(
-        jnp.minimum(kc, n_causal_cr)[..., None] - 1, (b, nblocks, block_q, 1)
-    )
-    threshold_score = jnp.take_along_axis(top_bcrj, worst_bcr1, -1).reshape(b, length)
+    worst_bcr1 = jnp.broadcast_to(jnp.minimum(kc, n_causal_cr)[..., None] - 1, (b, nq, block_q, 1))
+    threshold_score = jnp.take_along_axis(top_bcrj, worst_bcr1, -1).reshape(b, nq * block_q)
     index_bcr = jnp.take_along_axis(index_bcrj, worst_bcr1, -1)[..., 0]
     from_prefix = jnp.take_along_axis(prefix_p, jnp.minimum(index_bcr, kc - 1), -1)
     from_block = start_c[:, None] + index_bcr - kc
-    threshold_pos = jnp.where(index_bcr < kc, from_prefix, from_block).reshape(b, length)
+    threshold_pos = jnp.where(index_bcr < kc, from_prefix, from_block).reshape(b, nq * block_q)
     threshold_pos = jnp.where(threshold_score > -jnp.inf, threshold_pos, -1)
-    real = pos_L < l
-    first_block = first_query // block_q
+    real = pos_L[first_block * block_q :] < l
     return KsLayout(
         scores=scores_bL,
-        prefix_pos=prefix_p[:, first_block:],
-        prefix_scores=prefix_s[:, first_block:],
-        threshold_score=jnp.where(real, threshold_score, jnp.inf)[:, first_query:],
-        threshold_pos=jnp.where(real, threshold_pos, -1).astype(jnp.int32)[:, first_query:],
+        prefix_pos=prefix_p,
+        prefix_scores=prefix_s,
+        threshold_score=jnp.where(real, threshold_score, jnp.inf),
+        threshold_pos=jnp.where(real, threshold_pos, -1).astype(jnp.int32),
     )
 
 
