@@ -10,6 +10,7 @@ from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 from hax_jax.parallel import CARRIED
 from hax_jax.sharding import linear_axes, shard
+from pallas_kernels.sparse_attention.pallas import SELECTION
 
 
 def rank_loss_sum(intermediates) -> jax.Array:
@@ -27,12 +28,16 @@ def _block(layer: ResidualBlock, x, cache, seq_idx, mask, rng):
 
 
 # Saves inside a block only what it received from other sequence shards (small: states, halos,
-# carried keys), so the recompute runs no collective: the backward keeps each block's input (the
-# residual stream, b x l x d) and recomputes the rest. Saving the matmul outputs too
+# carried keys), so the recompute runs no collective, and the sparse branch's selection (the
+# kernels' layout, the ranking loss's candidates: a few int32 arrays of the row's length), so it
+# redoes no bucket, sort or top-k: the backward keeps each block's input (the residual stream,
+# b x l x d) and recomputes the rest. Saving the matmul outputs too
 # (dots_with_no_batch_dims_saveable) would keep in_proj's outputs (b, l, 2e + 2gn + h), several
 # times the residual, at every layer: the memory remat is there to save.
 # nnx.remat (not jax.checkpoint) carries the sown ranking loss out to nnx.capture.
-_remat_block = nnx.remat(_block, policy=jax.checkpoint_policies.save_only_these_names(CARRIED))
+_remat_block = nnx.remat(
+    _block, policy=jax.checkpoint_policies.save_only_these_names(CARRIED, SELECTION)
+)
 
 
 class LanguageModel(nnx.Module):

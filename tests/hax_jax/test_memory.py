@@ -162,6 +162,23 @@ def test_remat_is_in_the_gradient_only_when_on(monkeypatch):
     assert count(auto) >= CFG.n_layer
 
 
+def test_remat_keeps_the_sparse_selection():
+    """Under remat a block's backward recomputes its forward but not the sparse branch's
+    selection (saved by name: the Pallas layout's sorts and top-ks, the ranking loss's sampled
+    candidates): the rematerialised gradient holds as many sorts and top-ks as the plain one."""
+    pallas = dataclasses.replace(CFG, sparse=dataclasses.replace(CFG.sparse, impl="pallas"))
+    batch = _batch()
+
+    def count(cfg):
+        """Sorts and top-ks in the gradient's jaxpr."""
+        names = list(_primitives(_grad_jaxpr(cfg, batch)))
+        return names.count("sort"), names.count("top_k")
+
+    plain = count(pallas)
+    assert plain[0] > 0 and plain[1] > 0
+    assert count(dataclasses.replace(pallas, remat="block")) == plain
+
+
 def test_remat_forward_returns_the_same_logits_and_caches():
     tokens = _batch()["inputs"]
     outs = []
