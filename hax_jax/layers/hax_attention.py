@@ -14,7 +14,6 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers import init
@@ -25,7 +24,7 @@ from pallas_kernels.sparse_attention import (
     prefill_cache,
     sparse_attention_step,
 )
-from pallas_kernels.sparse_attention.pallas import SELECTION
+from pallas_kernels.sparse_attention.spec import selected
 
 # The logical axes of each argument of the parallel op (parallel.sparse_attention_sequence_parallel)
 # and of its output: a device attends for its batch rows and its slice of e (q, k whole); a split
@@ -171,7 +170,7 @@ class HaxBranch(nnx.Module):
         if mask is not None:
             noise = jnp.where(mask, noise, -1.0)
         _, candidates = jax.lax.top_k(noise, kc)
-        return ranking_loss(scores, q, k, checkpoint_name(candidates, SELECTION), mask)
+        return ranking_loss(scores, q, k, selected(candidates), mask)
 
     def forward(self, x: jax.Array, cache, *, mask=None, rng=None):
         """Parallel mode inside a mixer, x (b, l, e) and the mixer's cache (or None) -> (o * E, the

@@ -10,7 +10,7 @@ from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 from hax_jax.parallel import CARRIED
 from hax_jax.sharding import linear_axes, shard
-from pallas_kernels.sparse_attention.pallas import SELECTION
+from pallas_kernels.sparse_attention.spec import SELECTION
 
 
 def rank_loss_sum(intermediates) -> jax.Array:

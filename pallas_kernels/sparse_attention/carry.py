@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from .decode import lsh_table_of
 from .indexed import _ks_indices, _lsh_indices, attend_blocked, query_block_size
 from .reference import centred, lsh_buckets
-from .spec import SparseSpec
+from .spec import SparseSpec, selected
 
 EMPTY = -1  # the position of an empty summary row
 
@@ -74,6 +74,7 @@ def summarise(k, v, key_scores, bucket_k, offset, spec: SparseSpec):
             last = ((offset + l) // d) * d - 1 - offset  # the shard's last dilated position
             j_s = last - d * jnp.arange(kc, dtype=jnp.int32)
             rows.append(jnp.broadcast_to(jnp.where(j_s >= 0, j_s, EMPTY), (b, kc)))
+    rows = selected(rows)
     local_br = jnp.concatenate(rows, axis=1)
     valid_br = local_br >= 0
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from .carry import EMPTY, Summary, carried_rows, dedupe_rows, take_rows
 from .ops import sparse_attention_of_layout
 from .pallas import layout_of, padded_length
-from .spec import SparseSpec
+from .spec import SparseSpec, selected
 from .tiling import BlockSizes
 
 
@@ -50,7 +50,7 @@ def attend(
     rows_br = jnp.pad(rows_br, [(0, 0), (0, r - rows_br.shape[1])], constant_values=EMPTY)
     # Each carried key once, in global order, then the empty rows.
     pos_br = jnp.take_along_axis(gathered.pos, jnp.maximum(rows_br, 0), axis=1)
-    at_br, real_br = dedupe_rows(pos_br, rows_br, rows_br != EMPTY)
+    at_br, real_br = selected(dedupe_rows(pos_br, rows_br, rows_br != EMPTY))
 
     def longer(carried, local, fill):
         """[carried (fill where empty) | local] (b, r + l, ...)."""

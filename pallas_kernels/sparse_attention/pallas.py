@@ -17,19 +17,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from . import kernel
 from .reference import running_buckets
+from .spec import selected
 from .tiling import EMPTY_POS, KsLayout, LshLayout, Schedule, ks_layout, lsh_layout, tile_schedule
 
 SUPPORTED_PATTERNS = ("lsh", "ks", "lsh+ks")
 F32 = jnp.float32
-# The name of what the sparse branch selects (every layout array here; the ranking loss's sampled
-# candidates): a rematerialised block that saves it
-# (`jax.checkpoint_policies.save_only_these_names(SELECTION, ...)`) does not redo the buckets,
-# sorts and top-ks in its backward (a few int32 arrays of the sequence's length per call).
-SELECTION = "sparse_selection"
 
 
 class Layout(NamedTuple):
@@ -88,7 +83,7 @@ def layout_of(buckets, key_scores, *, spec, blocks, n_buckets, n_queries=None):
         schedule = tile_schedule(lsh.lo, lsh.hi, blocks.block_q, blocks.block_k, kc, k_length)
     if spec.has("ks"):
         ks = ks_layout(key_scores, kc, blocks.block_q, k_length, first)
-    return jax.tree.map(lambda x: checkpoint_name(x, SELECTION), Layout(lsh, schedule, ks))
+    return selected(Layout(lsh, schedule, ks))
 
 
 def _pad(x, length, width):

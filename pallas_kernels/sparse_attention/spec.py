@@ -8,10 +8,25 @@ derived properties (`components`, `keys_per_component`, `num_buckets`, `dilation
 
 import dataclasses
 
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
 COMPONENTS = ("sw", "sink", "dilated", "lsh", "ks", "full")
 BINNINGS = ("sign", "argmax")
 # Sign buckets are int32 bit sets: 2^h must fit.
 MAX_SIGN_BITS = 30
+
+
+# The name of what a sparse attention selects (the kernels' layout, a sequence shard's carried and
+# published rows, the ranking loss's sampled candidates): a rematerialised block that saves it
+# (`jax.checkpoint_policies.save_only_these_names(SELECTION, ...)`) redoes none of the buckets,
+# sorts and top-ks behind it in its backward (a few int32 arrays of the sequence's length).
+SELECTION = "sparse_selection"
+
+
+def selected(tree):
+    """`tree` with every array named SELECTION."""
+    return jax.tree.map(lambda x: checkpoint_name(x, SELECTION), tree)
 
 
 def check_positive_int(name, value):

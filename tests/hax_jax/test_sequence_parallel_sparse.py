@@ -14,9 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from hax_jax.config import MeshConfig
 from pallas_kernels.sparse_attention.carry import take_rows
 from tests.hax_jax.test_sequence_parallel import MESHES, _cfg, _check_split_equals_one_device
+from tests.support.collectives import sharded_step
 
 PATTERNS = ("sw", "sink", "dilated", "lsh", "ks", "full", "sw+sink", "sw+dilated", "lsh+ks")
 MESH_IDS = list(MESHES)
@@ -52,6 +55,37 @@ def test_pallas_over_the_carry_per_component(pattern):
     shard boundary selects as on one device."""
     cfg = _with_impl(_cfg(("mamba2",), pattern), "pallas")
     _check_split_equals_one_device(cfg, MESHES["seq2"], False)
+
+
+def _primitives(jaxpr):
+    """Every equation's primitive name, in sub-jaxprs too (shard_map, remat, pjit, custom VJPs)."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn.primitive.name
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
+                    yield from _primitives(item)
+
+
+def test_remat_recomputes_no_selection_on_a_split_sequence():
+    """seq = 2, HAX by the Pallas kernels: under remat the backward recomputes each block but none
+    of the sparse branch's selection (the published rows, the carried rows, the kernels' layout,
+    the ranking loss's candidates: named and saved), so the gradient holds as many sorts and
+    top-ks as without remat."""
+    base = _with_impl(_cfg(("mamba2",), "lsh+ks"), "pallas")
+
+    def count(remat):
+        cfg = dataclasses.replace(base, remat=remat)
+        step, params, tokens, mesh = sharded_step(
+            cfg, MeshConfig(data=1, seq=2, tensor=1), 2, 64, P(None, "seq")
+        )
+        with jax.set_mesh(mesh):
+            names = list(_primitives(step.trace(params, tokens).jaxpr))
+        return names.count("sort"), names.count("top_k")
+
+    plain = count("none")
+    assert plain[0] > 0 and plain[1] > 0
+    assert count("block") == plain
 
 
 @pytest.mark.parametrize(
