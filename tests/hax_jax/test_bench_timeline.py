@@ -1,11 +1,18 @@
 """bench/timing.timeline_us, the source of BENCHMARKS.md's per-GPU compute / exposed NCCL / idle
 columns: checked on a hand-made trace whose answer is counted by hand."""
 
+import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from bench import timing
+# bench/ is scripts, not an installed package: loaded from its file, as the tests load train.py.
+_spec = importlib.util.spec_from_file_location(
+    "bench_timing", Path(__file__).resolve().parents[2] / "bench" / "timing.py"
+)
+timing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timing)
 
 
 def _event(start, end, name):
