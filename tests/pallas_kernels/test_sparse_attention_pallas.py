@@ -114,15 +114,12 @@ def test_keys_scored_minus_inf_are_never_selected():
     check_against_indexed(inputs, F32, blocks, pattern="lsh+ks", num_keys=24, binning="sign")
 
 
-@pytest.mark.parametrize("pattern, dtype", [("lsh+ks", F32), ("lsh", F32), ("ks", BF16)])
-def test_queries_after_leading_keys(pattern, dtype):
-    """Queries that are the last 38 of 70 keys (a sequence shard's after 32 carried keys,
-    carry_pallas.py), nothing computed for the first 32 as queries: o and the gradients of q, k
-    and v equal the indexed path's over the whole sequence at those queries."""
-    lk, first = 70, 32
-    inputs = make_inputs(2, lk, 8, 6, 3, dtype, seed=5)
+def check_queries_after_leading_keys(pattern, dtype, lk, first, n, e, blocks, variant=None):
+    """Queries that are the last lk - first of lk keys, nothing computed for the first `first`
+    as queries: o and the gradients of q, k and v equal the indexed path's over the whole
+    sequence at those queries."""
+    inputs = make_inputs(2, lk, n, e, 3, dtype, seed=5)
     spec = SparseSpec(pattern=pattern, num_keys=12, hash_bits=3)
-    blocks = BlockSizes(block_q=16, block_k=16, block_e=16)
     buckets = scores = None
     n_buckets = spec.num_buckets if spec.has("lsh") else 0
     if spec.has("lsh"):
@@ -135,12 +132,14 @@ def test_queries_after_leading_keys(pattern, dtype):
     layout = layout_of(
         buckets, scores, spec=spec, blocks=blocks, n_buckets=n_buckets, n_queries=lk - first
     )
-    w = jnp.asarray(np.random.default_rng(1).standard_normal((2, lk - first, 6)), dtype)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((2, lk - first, e)), dtype)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     selection = dict(hash_proj=inputs["hash_proj"], key_scores=inputs["key_scores"])
 
     def tail(q_tail, k, v):
-        return sparse_attention_of_layout(q_tail, k, v, layout, spec, blocks=blocks)
+        return sparse_attention_of_layout(
+            q_tail, k, v, layout, spec, blocks=blocks, variant=variant
+        )
 
     def whole(q, k, v):
         return sparse_attention(q, k, v, spec=spec, impl="indexed", **selection)[:, first:]
@@ -153,6 +152,22 @@ def test_queries_after_leading_keys(pattern, dtype):
     assert_close(grads[0], grads_ref[0][:, first:], GRAD_TOL[dtype], "q")
     for name, got, want in zip("kv", grads[1:], grads_ref[1:]):
         assert_close(got, want, GRAD_TOL[dtype], name)
+
+
+@pytest.mark.parametrize("pattern, dtype", [("lsh+ks", F32), ("lsh", F32), ("ks", BF16)])
+def test_queries_after_leading_keys(pattern, dtype):
+    """The last 38 of 70 keys as queries (a sequence shard's after 32 carried keys,
+    carry_pallas.py), interpreted."""
+    blocks = BlockSizes(block_q=16, block_k=16, block_e=16)
+    check_queries_after_leading_keys(pattern, dtype, 70, 32, 8, 6, blocks)
+
+
+@pytest.mark.gpu
+def test_compiled_gpu_queries_after_leading_keys(monkeypatch):
+    """Compiled Triton kernels, bf16, the default blocks: the last 1,000 of 2,024 keys as
+    queries, e = 1536 (HAX's value width)."""
+    monkeypatch.setitem(COMPILED, "on", True)
+    check_queries_after_leading_keys("lsh+ks", BF16, 2024, 1024, 16, 1536, BlockSizes(), "gpu")
 
 
 @pytest.mark.parametrize(
