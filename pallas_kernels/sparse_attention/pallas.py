@@ -96,13 +96,14 @@ def _rows(x_bLf, index_bz):
     return jax.vmap(lambda x, i: x[i])(x_bLf, index_bz)
 
 
-def _ks_args(kp, vp, lay, kc, n_queries):
+def _ks_args(kp, vp, lay, kc):
     """The ks kernels' candidate arrays: prefix k, v (b, nblocks, kcp, .); prefix ints
     (position, bucket, sorted slot) and scores; the blocks' own keys' ints (bucket, slot) and
     scores; per query ints (threshold position, bucket, hi - kc) and threshold score. The
-    n_queries (padded) queries are the last of the keys."""
+    (padded) queries, one threshold each, are the last of the keys."""
     ks, lsh = lay.ks, lay.lsh
     b, length, _ = kp.shape
+    n_queries = ks.threshold_pos.shape[1]
     first = length - n_queries
     nblocks, kcp = ks.prefix_pos.shape[1], _pow2(kc)
     slot_pad = [(0, 0), (0, 0), (0, kcp - kc)]
@@ -153,7 +154,7 @@ def forward(q, k, v, lay, *, kc, cfg):
             q_s, k_s, vp, lsh.lo[..., None], lsh.hi[..., None], lsh, lay.schedule, cfg=cfg
         )
     if lay.ks is not None:
-        args = _ks_args(kp, vp, lay, kc, qp.shape[1])
+        args = _ks_args(kp, vp, lay, kc)
         o, lse = kernel.ks_forward(qp, kp, vp, args, init, out_dtype=F32, cfg=cfg)
     else:
         o, lse = init
@@ -218,7 +219,7 @@ def backward(q, k, v, lay, o, lse, do, *, kc, cfg):
         dv += dv_lsh
     if lay.ks is not None:
         dq_ks, dk_own, dv_own, dk_pre, dv_pre = kernel.ks_backward(
-            qp, kp, vp, _ks_args(kp, vp, lay, kc, q_length), lse, delta, do_p, cfg=cfg
+            qp, kp, vp, _ks_args(kp, vp, lay, kc), lse, delta, do_p, cfg=cfg
         )
         pos = jnp.pad(
             lay.ks.prefix_pos,
