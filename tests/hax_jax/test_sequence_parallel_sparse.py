@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from hax_jax.config import MeshConfig
 from pallas_kernels.sparse_attention.carry import take_rows
+from tests.hax_jax.test_memory import _primitives
 from tests.hax_jax.test_sequence_parallel import MESHES, _cfg, _check_split_equals_one_device
 from tests.support.collectives import sharded_step
 
@@ -55,16 +56,6 @@ def test_pallas_over_the_carry_per_component(pattern):
     shard boundary selects as on one device."""
     cfg = _with_impl(_cfg(("mamba2",), pattern), "pallas")
     _check_split_equals_one_device(cfg, MESHES["seq2"], False)
-
-
-def _primitives(jaxpr):
-    """Every equation's primitive name, in sub-jaxprs too (shard_map, remat, pjit, custom VJPs)."""
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        yield eqn.primitive.name
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
-                    yield from _primitives(item)
 
 
 def test_remat_recomputes_no_selection_on_a_split_sequence():
