@@ -93,7 +93,10 @@ class Trainer:
             lr=optim.learning_rate(cfg.optim, cfg.train.num_steps),
             update_shardings=update_sh,
         )
-        self.step_fn = jax.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
+        options = training.step_compiler_options(cfg.mesh, mesh)
+        self.step_fn = jax.jit(
+            step, out_shardings=(state_sh, None), donate_argnums=0, compiler_options=options
+        )
         self.eval_fn = jax.jit(functools.partial(training.eval_step, graphdef=graphdef))
         self.metrics = Metrics(workdir, resumed_at=latest)
         self.stop_requested = False

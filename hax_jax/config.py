@@ -148,6 +148,13 @@ class MeshConfig:
     # parameters), keeping the parameters whole (ZeRO-1): each device updates its slice of the
     # gradients, the new parameters are gathered. fsdp implies it over "data".
     shard_optimizer: bool = False
+    # XLA:GPU's joining of all-reduces (the gradients' reductions over "data" and "seq") into
+    # fewer, larger ones. "auto": XLA's default, except off when "seq" is split: there the joined
+    # all-reduces of many blocks made XLA hold every block's weight-gradient inputs to the end of
+    # the backward (HAX-Mamba-2 130M, 16 blocks, 1 x 65536 on seq=2: 10.70 GiB of temporaries per
+    # GPU joined, 5.43 not; BENCHMARKS.md, eighth session). "on": XLA's default everywhere;
+    # "off": never joined (GPU only; elsewhere refused).
+    combine_all_reduces: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -175,6 +175,25 @@ def _checked_shardings(abstract_params, mesh, rules: sharding.Rules) -> dict:
     return sharding.param_shardings_dict(abstract_params, mesh, rules)
 
 
+# XLA:GPU joins all-reduces while the joined size stays within this many bytes: at 1 none join.
+_NO_ALL_REDUCE_COMBINING = {"xla_gpu_all_reduce_combine_threshold_bytes": 1}
+
+
+def step_compiler_options(mesh_cfg, mesh) -> dict:
+    """XLA options for compiling the train step on `mesh`, from mesh.combine_all_reduces (see
+    config.MeshConfig): {} keeps XLA's defaults."""
+    combine = mesh_cfg.combine_all_reduces
+    platform = mesh.devices.flat[0].platform
+    if combine == "off" and platform != "gpu":
+        raise ValueError(
+            f"mesh.combine_all_reduces='off' is an XLA:GPU setting; this mesh's devices are "
+            f"{platform}"
+        )
+    if combine == "on" or platform != "gpu" or (combine == "auto" and mesh.shape["seq"] == 1):
+        return {}
+    return dict(_NO_ALL_REDUCE_COMBINING)
+
+
 def state_shardings(state_shape, param_shardings: dict, tx, mesh, update_shardings=None):
     """Shardings of the TrainState: optimizer moments follow `update_shardings` (default: their
     parameters'), scalars replicated."""

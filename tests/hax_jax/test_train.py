@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -20,7 +21,7 @@ from tiny_runs import TINY_JOINT_RECALL, subprocess_xla_flags
 
 import hax_jax
 from hax_jax import config as config_lib
-from hax_jax import optim
+from hax_jax import optim, training
 
 ROOT = Path(__file__).parents[2]
 _spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
@@ -229,6 +230,66 @@ def test_init_from_loads_the_pretrained_parameters(tmp_path):
 def test_bad_command_lines_fail_naming_the_value(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         train.main([*SMALL, f"workdir={tmp_path}", override])
+
+
+def _stand_in_mesh(platform: str, seq: int):
+    """What step_compiler_options reads of a mesh: its devices' platform and its "seq" size."""
+    device = types.SimpleNamespace(platform=platform)
+    return types.SimpleNamespace(devices=np.array([device]), shape={"seq": seq})
+
+
+@pytest.mark.parametrize(
+    "combine, platform, seq, off",
+    [
+        ("auto", "gpu", 2, True),
+        ("auto", "gpu", 1, False),
+        ("auto", "cpu", 2, False),
+        ("auto", "tpu", 4, False),
+        ("on", "gpu", 2, False),
+        ("off", "gpu", 1, True),
+    ],
+)
+def test_all_reduce_combining_is_off_where_gpus_split_the_sequence(combine, platform, seq, off):
+    mesh_cfg = config_lib.MeshConfig(combine_all_reduces=combine)
+    options = training.step_compiler_options(mesh_cfg, _stand_in_mesh(platform, seq))
+    assert options == ({"xla_gpu_all_reduce_combine_threshold_bytes": 1} if off else {})
+
+
+def test_all_reduce_combining_off_is_refused_off_gpus():
+    mesh_cfg = config_lib.MeshConfig(combine_all_reduces="off")
+    with pytest.raises(ValueError, match=r"combine_all_reduces='off' .* devices are tpu"):
+        training.step_compiler_options(mesh_cfg, _stand_in_mesh("tpu", 2))
+
+
+# Mamba-2 blocks the GPU kernels take (chunks of 64) on rows of 256: 2 shards of 2 chunks.
+GPU_MAMBA2 = [
+    str(ROOT / "configs/tiny.py"),
+    "model.block_pattern=mamba2",
+    "model.mamba2.headdim=32",
+    *ALL_KINDS[ALL_KINDS.index("data.task=mqar") :],
+    "data.seq_len=256",
+    "data.batch_size=2",
+]
+
+
+@pytest.mark.gpu
+def test_a_split_sequence_on_gpus_compiles_without_joined_all_reduces(tmp_path):
+    """On 2 GPUs with seq=2, the train step's compile keeps each all-reduce apart ("auto"): more
+    all-reduces than with XLA's combining ("on"), the same collectives otherwise."""
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs 2 GPUs")
+    counts = {}
+    for combine in ("auto", "on"):
+        argv = [*GPU_MAMBA2, "mesh.data=1", "mesh.seq=2", f"mesh.combine_all_reduces={combine}"]
+        trainer = _trainer(argv, tmp_path / combine)
+        with jax.set_mesh(trainer.mesh):
+            batch = trainer.batch(next(trainer.iterator))
+            hlo = trainer.step_fn.lower(trainer.state, batch).compile().as_text()
+        trainer.close()
+        kinds = [kind for kind, _ in collectives_of(hlo)]
+        counts[combine] = {kind: kinds.count(kind) for kind in set(kinds)}
+    assert counts["auto"].pop("all-reduce") > counts["on"].pop("all-reduce")
+    assert counts["auto"] == counts["on"]
 
 
 def test_a_workdir_of_another_model_is_refused(tmp_path):
