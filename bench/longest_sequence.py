@@ -1,13 +1,15 @@
-"""The longest row one training step fits: train.py's step at doubling lengths until one fails.
+"""The longest row (or the largest batch) one training step fits: train.py's step at growing
+sizes until one fails.
 
     python bench/longest_sequence.py --case lm_mamba2_130m_32k [--lengths 65536,131072,...]
         [--set mesh.data=1 mesh.seq=2] [--timeout 240]
+    python bench/longest_sequence.py --case lm_mamba2_2_7b --key data.batch_size --lengths 8,16,32
 
-Each length runs in its own process (`bench/train_throughput.py --no-e2e --steps 2 --set
-data.seq_len=L ...`): an out-of-memory error leaves the next attempt a clean device and its peak
-memory is that length's alone. Stops at the first length that does not compile and run (out of
-memory, an error, or past --timeout seconds) and prints a markdown table: length, step ms,
-tokens/s, peak GiB per device, or why it failed.
+Each size runs in its own process (`bench/train_throughput.py --no-e2e --steps 2 --set
+KEY=L ...`, KEY data.seq_len unless --key says): an out-of-memory error leaves the next attempt a
+clean device and its peak memory is that size's alone. Stops at the first size that does not
+compile and run (out of memory, an error, or past --timeout seconds) and prints a markdown table:
+size, step ms, tokens/s, peak GiB per device, or why it failed.
 """
 
 import argparse
@@ -20,8 +22,8 @@ DEFAULT_LENGTHS = ",".join(str(2**k) for k in range(16, 21))  # 64K ... 1M
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
 
-def attempt(case: str, length: int, overrides: list[str], timeout: float) -> dict:
-    """One step at `length` tokens a row in a fresh process: its result row, or why it failed."""
+def attempt(case: str, key: str, length: int, overrides: list[str], timeout: float) -> dict:
+    """One step at `key`=`length` in a fresh process: its result row, or why it failed."""
     command = [
         sys.executable,
         str(ROOT / "bench/train_throughput.py"),
@@ -31,7 +33,7 @@ def attempt(case: str, length: int, overrides: list[str], timeout: float) -> dic
         "--steps",
         "2",
         "--set",
-        f"data.seq_len={length}",
+        f"{key}={length}",
         *overrides,
     ]
     try:
@@ -61,18 +63,19 @@ def attempt(case: str, length: int, overrides: list[str], timeout: float) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", required=True, help="a case of bench/train_throughput.py")
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated, ascending")
+    parser.add_argument("--key", default="data.seq_len", help="the config key grown")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="its values, ascending")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides (e.g. a mesh)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per attempt")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     print(
-        f"\n{args.case} {' '.join(args.set)}\n\n| tokens a row | step ms | tokens/s | peak GiB "
+        f"\n{args.case} {' '.join(args.set)}\n\n| {args.key} | step ms | tokens/s | peak GiB "
         "per device |\n| ---: | ---: | ---: | --- |",
         flush=True,
     )
     for length in lengths:
-        r = attempt(args.case, length, args.set, args.timeout)
+        r = attempt(args.case, args.key, length, args.set, args.timeout)
         if "failed" in r:
             print(f"| {length:,} | | | did not fit: {r['failed']} |", flush=True)
             break

@@ -1,13 +1,16 @@
-"""mamba_ssm's kernels loaded from a checkout, for measurement only: nothing of it is vendored.
+"""mamba_ssm's kernels and modules loaded from a checkout, for measurement only: nothing of it is
+vendored.
 
 Prepare the checkout once on this machine (it is git-ignored and carried to the GPU machine):
 
-    git -C MAMBA archive HEAD mamba_ssm/ops/triton mamba_ssm/utils csrc/selective_scan | tar -x -C
-    .peer git -C MAMBA show HEAD:mamba_ssm/ops/selective_scan_interface.py >
-    .peer/selective_scan_interface.py
+    git -C MAMBA archive HEAD mamba_ssm/ops mamba_ssm/utils mamba_ssm/modules mamba_ssm/distributed
+        csrc/selective_scan | tar -x -C .peer
+    git -C CONV archive HEAD causal_conv1d csrc | tar -x -C .peer/cc    (whole-model peer only)
 
-MAMBA being a clone of state-spaces/mamba. The Triton SSD needs torch + triton; the CUDA selective
-scan is compiled there with torch's cpp_extension (sm_90, about two minutes) into --build-dir.
+MAMBA being a clone of state-spaces/mamba (e9594ce was used), CONV one of Dao-AILab/causal-conv1d
+(0d2252d). The Triton SSD needs torch + triton; the CUDA selective scan is compiled there with
+torch's cpp_extension (sm_90, about two minutes) into --build-dir; causal-conv1d's extension is
+loaded from ../shared/peer's gzipped build for the GPU machines' torch.
 """
 
 import glob
@@ -18,7 +21,7 @@ import sys
 import types
 
 
-def _bare_packages(peer_dir):
+def register_packages(peer_dir):
     """Register mamba_ssm's packages without running mamba_ssm/__init__ (which imports the
     compiled extension and the model code)."""
     for name, sub in (
@@ -26,6 +29,8 @@ def _bare_packages(peer_dir):
         ("mamba_ssm.ops", "ops"),
         ("mamba_ssm.ops.triton", "ops/triton"),
         ("mamba_ssm.utils", "utils"),
+        ("mamba_ssm.modules", "modules"),
+        ("mamba_ssm.distributed", "distributed"),
     ):
         if name not in sys.modules:
             module = types.ModuleType(name)
@@ -35,7 +40,7 @@ def _bare_packages(peer_dir):
 
 def triton_ssd(peer_dir):
     """mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined."""
-    _bare_packages(peer_dir)
+    register_packages(peer_dir)
     return importlib.import_module("mamba_ssm.ops.triton.ssd_combined").mamba_chunk_scan_combined
 
 
@@ -64,15 +69,38 @@ def _prebuilt(build_dir):
 def cuda_selective_scan(peer_dir, build_dir):
     """mamba_ssm's selective_scan_fn over its CUDA kernels, compiled here for sm_90 (or loaded
     from an earlier build's selective_scan_cuda.so[.gz] in build_dir)."""
-    ext = _prebuilt(build_dir) or _build(peer_dir, build_dir)
-    sys.modules["selective_scan_cuda"] = ext
-    _bare_packages(peer_dir)
-    spec = importlib.util.spec_from_file_location(
-        "mamba_selective_scan_interface", os.path.join(peer_dir, "selective_scan_interface.py")
-    )
-    interface = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(interface)
-    return interface.selective_scan_fn
+    load_selective_scan_cuda(peer_dir, build_dir)
+    return importlib.import_module("mamba_ssm.ops.selective_scan_interface").selective_scan_fn
+
+
+def load_selective_scan_cuda(peer_dir, build_dir):
+    """The CUDA selective scan extension as `selective_scan_cuda` (what mamba_ssm imports), built
+    or loaded as `cuda_selective_scan` says; mamba_ssm's packages registered."""
+    if "selective_scan_cuda" not in sys.modules:
+        sys.modules["selective_scan_cuda"] = _prebuilt(build_dir) or _build(peer_dir, build_dir)
+    register_packages(peer_dir)
+
+
+def load_causal_conv1d(peer_dir, prebuilt):
+    """causal-conv1d's extension from `prebuilt` (a gzipped causal_conv1d_cuda.so built for this
+    torch, ../shared/peer) as `causal_conv1d_cuda`, and its python package from peer_dir/cc."""
+    import gzip
+    import importlib.machinery
+    import shutil
+
+    import torch  # noqa: F401  (the extension links against torch's libraries)
+
+    build = os.path.join(peer_dir, "cc_build")
+    os.makedirs(build, exist_ok=True)
+    path = os.path.join(build, "causal_conv1d_cuda.so")
+    with gzip.open(prebuilt) as src, open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    loader = importlib.machinery.ExtensionFileLoader("causal_conv1d_cuda", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    sys.modules["causal_conv1d_cuda"] = module
+    sys.path.insert(0, os.path.join(peer_dir, "cc"))
+    importlib.import_module("causal_conv1d")
 
 
 def _build(peer_dir, build_dir):

@@ -54,6 +54,10 @@ CASES = {
     # 18).
     "lm_mamba2_1_3b": ["configs/released.py:mamba2_1_3b", *BIG_LM, *LM],
     "lm_mamba2_2_7b": ["configs/released.py:mamba2_2_7b", *BIG_LM, *LM],
+    # The released Mamba-1 architectures (issue 20's peer: bench/train_step_mamba_ssm.py).
+    "lm_mamba_130m": ["configs/released.py:mamba_130m", *BIG_LM, *LM],
+    "lm_mamba_1_4b": ["configs/released.py:mamba_1_4b", *BIG_LM, *LM],
+    "lm_mamba_2_8b": ["configs/released.py:mamba_2_8b", *BIG_LM, *LM],
     # The same models on the pure-JAX paths (impl="auto" takes the Pallas kernels on a GPU).
     "lm_mamba2_130m_purejax": [
         "configs/hax_130m.py",

@@ -1,0 +1,191 @@
+"""The peer of the whole-model training step: mamba_ssm's own LM, Mamba-1 or Mamba-2 (issue 20).
+
+    python bench/train_step_mamba_ssm.py --model mamba2_130m --batches 8,16,32 --peer .peer \
+        --build-dir .peer/build --causal-conv1d ../shared/peer/causal_conv1d_cuda.so.gz [--compile]
+
+mamba_ssm's MambaLMHeadModel layout (embedding, n_layer x Block(mixer) with fused add + RMSNorm and
+the residual in fp32, final RMSNorm, tied head) over its fused paths: Mamba-1 is
+`modules.mamba_simple.Mamba` (mamba_inner_fn: the CUDA selective scan and causal-conv1d), Mamba-2
+`modules.mamba2.Mamba2` with use_mem_eff_path (causal-conv1d and the Triton SSD fused). The sizes
+are configs/released.py's, with mamba_ssm's defaults (Mamba-1 d_state 16; Mamba-2 d_state 128,
+headdim 64) and vocabularies (50277 padded to 8 or 16). As ours (bench/train_throughput.py):
+fp32 parameters, bf16 compute (autocast), AdamW (torch's fused), clip 1.0, rows of --seq random
+tokens. `--compile` runs the model under torch.compile. The batches run in the order given
+(ascending), each after two warm-up steps, until one runs out of memory: the last row that ran is
+the largest batch that fits. Loading the peer: bench/mamba_ssm_peer.py.
+"""
+
+import argparse
+import gc
+import importlib.util
+import math
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import mamba_ssm_peer  # noqa: E402
+
+VOCAB = 50277
+
+
+def released_sizes() -> dict:
+    """configs/released.py's SIZES and vocabulary padding, read without importing hax_jax's
+    package (this process is torch's)."""
+    spec = importlib.util.spec_from_file_location("released", ROOT / "configs/released.py")
+    released = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(released)
+    return released.SIZES, released.PAD_VOCAB_MULTIPLE
+
+
+def build_lm(kind: str, d_model: int, n_layer: int, vocab: int):
+    """mamba_ssm's LM of `kind` ("mamba" or "mamba2") on the GPU, fp32 parameters."""
+    import torch
+    from mamba_ssm.modules.block import Block
+    from mamba_ssm.ops.triton.layer_norm import RMSNorm, layer_norm_fn
+
+    if kind == "mamba":
+        from mamba_ssm.modules.mamba_simple import Mamba
+
+        mixer = partial(Mamba, d_state=16, use_fast_path=True)
+    else:
+        from mamba_ssm.modules.mamba2 import Mamba2
+
+        mixer = partial(Mamba2, d_state=128, headdim=64, use_mem_eff_path=True)
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(vocab, d_model)
+            self.layers = torch.nn.ModuleList(
+                Block(
+                    d_model,
+                    partial(mixer, layer_idx=i),
+                    mlp_cls=torch.nn.Identity,
+                    norm_cls=partial(RMSNorm, eps=1e-5),
+                    fused_add_norm=True,
+                    residual_in_fp32=True,
+                )
+                for i in range(n_layer)
+            )
+            self.norm_f = RMSNorm(d_model, eps=1e-5)
+
+        def forward(self, tokens):
+            hidden, residual = self.embedding(tokens), None
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual)
+            hidden = layer_norm_fn(
+                hidden,
+                self.norm_f.weight,
+                self.norm_f.bias,
+                eps=1e-5,
+                residual=residual,
+                prenorm=False,
+                residual_in_fp32=True,
+                is_rms_norm=True,
+            )
+            return hidden @ self.embedding.weight.T  # tied head
+
+    torch.manual_seed(0)
+    return LM().cuda()
+
+
+def time_batch(model, optimizer, batch: int, seq: int, vocab: int, steps: int) -> dict:
+    """ms a step, tokens/s and peak GiB of `steps` steps at `batch` rows, after two warm-ups."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens = torch.randint(1, VOCAB, (batch, seq + 1), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    if not math.isfinite(float(loss)):
+        raise FloatingPointError(f"non-finite loss {float(loss)} at batch {batch}")
+    return {
+        "step_ms": 1e3 * seconds,
+        "tokens_per_s": batch * seq / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def parse_batches(text: str) -> list[int]:
+    """--batches "8,16,32" -> [8, 16, 32]; an error naming the value unless positive, ascending."""
+    try:
+        batches = [int(x) for x in text.split(",")]
+    except ValueError:
+        message = f"error: --batches must be comma-separated integers, got {text!r}"
+        raise SystemExit(message) from None
+    if any(b < 1 for b in batches) or batches != sorted(set(batches)):
+        raise SystemExit(f"error: --batches must be positive and ascending, got {text!r}")
+    return batches
+
+
+def main() -> None:
+    sizes, pad = released_sizes()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(sizes))
+    parser.add_argument("--batches", default="8", help="rows of --seq tokens, ascending")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="the model under torch.compile")
+    parser.add_argument("--peer", default=".peer", help="mamba_ssm checkout (mamba_ssm_peer.py)")
+    parser.add_argument("--build-dir", default=".peer/build", help="the CUDA selective scan's")
+    parser.add_argument("--causal-conv1d", required=True, help="gzipped causal_conv1d_cuda.so")
+    args = parser.parse_args()
+    batches = parse_batches(args.batches)
+    kind, d_model, n_layer = sizes[args.model]
+    vocab = -(-VOCAB // pad[kind]) * pad[kind]
+
+    import torch
+
+    mamba_ssm_peer.load_causal_conv1d(args.peer, args.causal_conv1d)
+    if kind == "mamba":  # Mamba-2's fused path needs no selective scan
+        mamba_ssm_peer.load_selective_scan_cuda(args.peer, args.build_dir)
+    mamba_ssm_peer.register_packages(args.peer)
+    model = build_lm(kind, d_model, n_layer, vocab)
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    run = torch.compile(model) if args.compile else model
+    print(
+        f"\nmamba_ssm {args.model} ({params / 1e6:.0f}M parameters), torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name()}{', torch.compile' if args.compile else ''}\n\n"
+        "| batch | step ms | tokens/s | peak GiB |\n| ---: | ---: | ---: | ---: |",
+        flush=True,
+    )
+    for batch in batches:
+        try:
+            r = time_batch(run, optimizer, batch, args.seq, vocab, args.steps)
+        except torch.cuda.OutOfMemoryError:
+            print(f"| {batch} x {args.seq} | | | out of memory |", flush=True)
+            break
+        print(
+            f"| {batch} x {args.seq} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['peak_gib']:.1f} |",
+            flush=True,
+        )
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
