@@ -1,7 +1,10 @@
 """The peer of the whole-model training step: mamba_ssm's own LM, Mamba-1 or Mamba-2 (issue 20).
 
     python bench/train_step_mamba_ssm.py --model mamba2_130m --batches 8,16,32 --peer .peer \
-        --build-dir .peer/build --causal-conv1d ../shared/peer/causal_conv1d_cuda.so.gz [--compile]
+        --build-dir .peer/build --causal-conv1d .peer/causal_conv1d_cuda.so.gz [--compile]
+
+(.peer prepared as bench/mamba_ssm_peer.py says, with ../shared/peer/causal_conv1d_cuda.so.gz copied
+in: the GPU machines see only the project's folder.)
 
 mamba_ssm's MambaLMHeadModel layout (embedding, n_layer x Block(mixer) with fused add + RMSNorm and
 the residual in fp32, final RMSNorm, tied head) over its fused paths: Mamba-1 is
