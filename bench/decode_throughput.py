@@ -1,5 +1,5 @@
-"""Generation speed: hax_jax.generate for the 130M Mamba-2 and HAX-Mamba-2, beside transformers'
-generate.
+"""Generation speed: hax_jax.generate for Mamba-2 130M and 2.7B and HAX-Mamba-2 130M, beside
+transformers' generate (mamba_ssm's: bench/decode_mamba_ssm.py).
 
     python bench/decode_throughput.py [--batches 1,64] [--prompt 2048] [--new 128] [--peer]
 
@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "mamba2_130m": "configs/released.py:mamba2_130m",
     "hax_mamba2_130m": "configs/hax_130m.py",
+    "mamba2_2_7b": "configs/released.py:mamba2_2_7b",
 }
 
 
@@ -56,7 +57,7 @@ def ours(name: str, batch: int, prompt: int, new: int, repeats: int) -> dict:
     for run in runs.values():
         run()  # compile
     prefill, whole = (best_time(runs[n], repeats) for n in (1, new))
-    return _rates("hax_jax", name, batch, prompt, new, prefill, whole)
+    return rates("hax_jax", name, batch, prompt, new, prefill, whole)
 
 
 def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
@@ -91,11 +92,11 @@ def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
     run(new)  # warm up
     prefill, whole = (best_time(lambda n=n: run(n), repeats) for n in (1, new))
     fast = getattr(modeling_mamba2, "is_fast_path_available", None)
-    out = _rates("transformers", "mamba2_130m", batch, prompt, new, prefill, whole)
+    out = rates("transformers", "mamba2_130m", batch, prompt, new, prefill, whole)
     return {**out, "kernels": "mamba_ssm/causal_conv1d" if fast else "pure torch"}
 
 
-def _rates(impl, name, batch, prompt, new, prefill, whole) -> dict:
+def rates(impl, name, batch, prompt, new, prefill, whole) -> dict:
     """The measured times and the derived rates."""
     return {
         "impl": impl,

@@ -4,7 +4,7 @@ vendored.
 Prepare the checkout once on this machine (it is git-ignored and carried to the GPU machine):
 
     git -C MAMBA archive HEAD mamba_ssm/ops mamba_ssm/utils mamba_ssm/modules mamba_ssm/distributed
-        csrc/selective_scan | tar -x -C .peer
+        mamba_ssm/models csrc/selective_scan | tar -x -C .peer
     git -C CONV archive HEAD causal_conv1d csrc | tar -x -C .peer/cc    (whole-model peer only)
 
 MAMBA being a clone of state-spaces/mamba (e9594ce was used), CONV one of Dao-AILab/causal-conv1d
@@ -31,6 +31,7 @@ def register_packages(peer_dir):
         ("mamba_ssm.utils", "utils"),
         ("mamba_ssm.modules", "modules"),
         ("mamba_ssm.distributed", "distributed"),
+        ("mamba_ssm.models", "models"),
     ):
         if name not in sys.modules:
             module = types.ModuleType(name)
