@@ -79,12 +79,15 @@ def _kernel_lines(data, plane_prefix):
                     yield plane.name, line
 
 
-def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU", data=None):
+def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU"):
     """{GPU kernel name: microseconds per call of fn()} from a profiler trace of `reps` calls
     (XLA fusions by their HLO name, Pallas kernels by their kernel function's name), summed over
-    the planes whose name starts with `plane_prefix` (e.g. "/device:GPU:0" for one GPU); `data`:
-    a trace of those calls already taken (`trace`)."""
-    data = data or trace(fn, reps)
+    the planes whose name starts with `plane_prefix` (e.g. "/device:GPU:0" for one GPU)."""
+    return kernel_times_of(trace(fn, reps), reps, plane_prefix)
+
+
+def kernel_times_of(data, reps, plane_prefix="/device:GPU"):
+    """`kernel_times_us` of a trace of `reps` calls already taken (`trace`)."""
     totals = collections.Counter()
     for _, line in _kernel_lines(data, plane_prefix):
         for event in line.events:
@@ -93,24 +96,26 @@ def kernel_times_us(fn, reps=10, plane_prefix="/device:GPU", data=None):
 
 
 def _merged(intervals):
-    """The union of (start, end) intervals as sorted disjoint intervals."""
-    merged = []
+    """The union of (start, end) intervals as sorted disjoint intervals: (starts, ends)."""
+    starts, ends = [], []
     for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
+        if ends and start <= ends[-1]:
+            ends[-1] = max(ends[-1], end)
         else:
-            merged.append([start, end])
-    return merged
+            starts.append(start)
+            ends.append(end)
+    return starts, ends
 
 
 def _uncovered_ns(start, end, merged):
-    """How much of [start, end) the sorted disjoint intervals `merged` leave uncovered."""
-    i = bisect.bisect_right([s for s, _ in merged], start) - 1
+    """How much of [start, end) the sorted disjoint intervals `merged` (`_merged`) leave
+    uncovered."""
+    starts, ends = merged
+    i = max(bisect.bisect_right(starts, start) - 1, 0)
     covered = 0
-    for s, e in merged[max(i, 0) :]:
-        if s >= end:
-            break
-        covered += max(0, min(e, end) - max(s, start))
+    while i < len(starts) and starts[i] < end:
+        covered += max(0, min(ends[i], end) - max(starts[i], start))
+        i += 1
     return end - start - covered
 
 
@@ -136,7 +141,7 @@ def timeline_us(data, reps, gaps=0):
             exposed[name.split("(")[0]] += _uncovered_ns(s, e, busy)
         parts = dict(
             span=span,
-            compute=sum(e - s for s, e in busy),
+            compute=sum(e - s for s, e in zip(*busy)),
             nccl=sum(e - s for s, e, _ in nccl),
             nccl_exposed=sum(exposed.values()),
         )

@@ -166,7 +166,7 @@ def measure(
             # share the GPU with NCCL kernels waiting for it).
             if timelines:
                 busiest = max(timelines, key=lambda p: timelines[p]["parts"]["compute"])
-                times = timing.kernel_times_us(None, reps=3, plane_prefix=busiest, data=data)
+                times = timing.kernel_times_of(data, reps=3, plane_prefix=busiest)
                 where = busiest.removeprefix("/device:")
                 print(f"{where} kernels of {name}: {sum(times.values()) / 1e3:.2f} ms per step")
                 for kernel, us in list(times.items())[:profile]:
