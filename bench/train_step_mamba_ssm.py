@@ -20,7 +20,6 @@ the largest batch that fits. Loading the peer: bench/mamba_ssm_peer.py.
 
 import argparse
 import gc
-import importlib.util
 import math
 import sys
 import time
@@ -31,16 +30,14 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import mamba_ssm_peer  # noqa: E402
+from hax_jax.config import load_config_module  # noqa: E402
 
 VOCAB = 50277
 
 
-def released_sizes() -> dict:
-    """configs/released.py's SIZES and vocabulary padding, read without importing hax_jax's
-    package (this process is torch's)."""
-    spec = importlib.util.spec_from_file_location("released", ROOT / "configs/released.py")
-    released = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(released)
+def released_sizes() -> tuple[dict, dict]:
+    """configs/released.py's SIZES and vocabulary padding (PAD_VOCAB_MULTIPLE)."""
+    released = load_config_module(ROOT / "configs/released.py")
     return released.SIZES, released.PAD_VOCAB_MULTIPLE
 
 
