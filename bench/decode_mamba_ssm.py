@@ -21,9 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import mamba_ssm_peer  # noqa: E402
+from bench import mamba_ssm_peer, timing  # noqa: E402
 from bench.decode_throughput import best_time, rates  # noqa: E402
-from bench.train_step_mamba_ssm import VOCAB, parse_batches, released_sizes  # noqa: E402
+from bench.train_step_mamba_ssm import (  # noqa: E402
+    VOCAB,
+    check_args,
+    released_sizes,
+)
 
 
 def peer_model(kind: str, d_model: int, n_layer: int, pad: int):
@@ -76,10 +80,9 @@ def main() -> None:
     parser.add_argument("--causal-conv1d", required=True, help="gzipped causal_conv1d_cuda.so")
     args = parser.parse_args()
     names = args.models.split(",")
-    unknown = [n for n in names if n not in sizes]
-    if unknown:
-        raise SystemExit(f"error: unknown --models {unknown}; known: {sorted(sizes)}")
-    batches = parse_batches(args.batches)
+    positive = dict(prompt=args.prompt, new=args.new, repeats=args.repeats)
+    check_args(names, sizes, args.peer, args.causal_conv1d, **positive)
+    batches = timing.ascending_ints(args.batches, "--batches")
 
     import torch
 

@@ -18,6 +18,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import timing  # noqa: E402
+
 DEFAULT_LENGTHS = ",".join(str(2**k) for k in range(16, 21))  # 64K ... 1M
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
@@ -68,7 +72,7 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="config overrides (e.g. a mesh)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per attempt")
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = timing.ascending_ints(args.lengths, "--lengths")
     print(
         f"\n{args.case} {' '.join(args.set)}\n\n| {args.key} | step ms | tokens/s | peak GiB "
         "per device |\n| ---: | ---: | ---: | --- |",

@@ -228,6 +228,18 @@ def collectives_by_kind(hlo: str) -> dict[str, tuple[int, int]]:
     return {kind: (count, size) for kind, (count, size) in sorted(totals.items())}
 
 
+def ascending_ints(text: str, flag: str) -> list[int]:
+    """A command line's "8,16,32" -> [8, 16, 32]; SystemExit with one error line naming `flag`
+    and the value unless they are positive integers in ascending order."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: {flag} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values) or values != sorted(set(values)):
+        raise SystemExit(f"error: {flag} must be positive and ascending, got {text!r}")
+    return values
+
+
 def parse_config(text):
     """'name:key=value,key=value' -> (name, {key: value}), values ints or true / false."""
     name, _, rest = text.partition(":")

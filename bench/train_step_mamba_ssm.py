@@ -21,6 +21,7 @@ the largest batch that fits. Loading the peer: bench/mamba_ssm_peer.py.
 import argparse
 import gc
 import math
+import os
 import sys
 import time
 from functools import partial
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import mamba_ssm_peer  # noqa: E402
+from bench import mamba_ssm_peer, timing  # noqa: E402
 from hax_jax.config import load_config_module  # noqa: E402
 
 VOCAB = 50277
@@ -128,22 +129,28 @@ def time_batch(model, optimizer, batch: int, seq: int, vocab: int, steps: int) -
     }
 
 
-def parse_batches(text: str) -> list[int]:
-    """--batches "8,16,32" -> [8, 16, 32]; an error naming the value unless positive, ascending."""
-    try:
-        batches = [int(x) for x in text.split(",")]
-    except ValueError:
-        message = f"error: --batches must be comma-separated integers, got {text!r}"
-        raise SystemExit(message) from None
-    if any(b < 1 for b in batches) or batches != sorted(set(batches)):
-        raise SystemExit(f"error: --batches must be positive and ascending, got {text!r}")
-    return batches
+def check_args(models: list[str], sizes: dict, peer: str, causal_conv1d: str, **positive) -> None:
+    """SystemExit with one error line naming the value unless every model is a released size,
+    peer holds a mamba_ssm checkout, the causal-conv1d build exists and `positive` are > 0."""
+    unknown = [m for m in models if m not in sizes]
+    if unknown:
+        raise SystemExit(f"error: unknown models {unknown}; known: {sorted(sizes)}")
+    if not os.path.isdir(os.path.join(peer, "mamba_ssm")):
+        raise SystemExit(
+            f"error: --peer {peer!r} holds no mamba_ssm checkout (bench/mamba_ssm_peer.py says "
+            "how to prepare one)"
+        )
+    if not os.path.isfile(causal_conv1d):
+        raise SystemExit(f"error: --causal-conv1d {causal_conv1d!r} is not a file")
+    for name, value in positive.items():
+        if value < 1:
+            raise SystemExit(f"error: --{name} must be positive, got {value}")
 
 
 def main() -> None:
     sizes, pad = released_sizes()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, choices=sorted(sizes))
+    parser.add_argument("--model", required=True, help=f"one of {sorted(sizes)}")
     parser.add_argument("--batches", default="8", help="rows of --seq tokens, ascending")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
@@ -152,7 +159,8 @@ def main() -> None:
     parser.add_argument("--build-dir", default=".peer/build", help="the CUDA selective scan's")
     parser.add_argument("--causal-conv1d", required=True, help="gzipped causal_conv1d_cuda.so")
     args = parser.parse_args()
-    batches = parse_batches(args.batches)
+    check_args([args.model], sizes, args.peer, args.causal_conv1d, seq=args.seq, steps=args.steps)
+    batches = timing.ascending_ints(args.batches, "--batches")
     kind, d_model, n_layer = sizes[args.model]
     vocab = -(-VOCAB // pad[kind]) * pad[kind]
 
