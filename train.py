@@ -93,7 +93,7 @@ class Trainer:
             lr=optim.learning_rate(cfg.optim, cfg.train.num_steps),
             update_shardings=update_sh,
         )
-        options = training.step_compiler_options(cfg.mesh, mesh)
+        options = training.step_compiler_options(cfg.mesh, mesh, abstract, param_sh)
         self.step_fn = jax.jit(
             step, out_shardings=(state_sh, None), donate_argnums=0, compiler_options=options
         )

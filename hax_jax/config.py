@@ -152,9 +152,12 @@ class MeshConfig:
     # fewer, larger ones. "auto": XLA's default, except off when "seq" is split: there the joined
     # all-reduces of many blocks made XLA hold every block's weight-gradient inputs to the end of
     # the backward (HAX-Mamba-2 130M, 16 blocks, 1 x 65536 on seq=2: 10.70 GiB of temporaries per
-    # GPU joined, 5.43 not; BENCHMARKS.md, eighth session). "on": XLA's default everywhere;
-    # "off": never joined (GPU only; elsewhere refused).
-    combine_all_reduces: Literal["auto", "on", "off"] = "auto"
+    # GPU joined, 5.43 not; 1M tokens fit on 2 x H200 only unjoined), at a cost in step time
+    # (Mamba-2 32K on seq=2: 94.21 ms unjoined, 90.24 joined; BENCHMARKS.md, eighth and ninth
+    # sessions). "on": XLA's default everywhere; "off": never joined; "block": joined up to the
+    # largest block's gradient bytes on a device, so no joined all-reduce waits on many blocks
+    # (GPU only, "off" and "block"; elsewhere refused).
+    combine_all_reduces: Literal["auto", "on", "off", "block"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

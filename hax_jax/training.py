@@ -5,6 +5,8 @@ static graphdef inside the step. A run's fresh (or `init_from`) parameters and i
 are here too; I/O, logging and the loop live in train.py.
 """
 
+import collections
+import math
 from typing import Any
 
 import flax.struct
@@ -176,22 +178,42 @@ def _checked_shardings(abstract_params, mesh, rules: sharding.Rules) -> dict:
 
 
 # XLA:GPU joins all-reduces while the joined size stays within this many bytes: at 1 none join.
-_NO_ALL_REDUCE_COMBINING = {"xla_gpu_all_reduce_combine_threshold_bytes": 1}
+_COMBINE_THRESHOLD = "xla_gpu_all_reduce_combine_threshold_bytes"
 
 
-def step_compiler_options(mesh_cfg, mesh) -> dict:
+def step_compiler_options(mesh_cfg, mesh, abstract_params=None, param_shardings=None) -> dict:
     """XLA options for compiling the train step on `mesh`, from mesh.combine_all_reduces (see
-    config.MeshConfig): {} keeps XLA's defaults."""
+    config.MeshConfig): {} keeps XLA's defaults. "block" reads the parameters' shapes and
+    shardings for the largest block's gradient bytes on a device (`largest_block_bytes`)."""
     combine = mesh_cfg.combine_all_reduces
     platform = mesh.devices.flat[0].platform
-    if combine == "off" and platform != "gpu":
+    if combine in ("off", "block") and platform != "gpu":
         raise ValueError(
-            f"mesh.combine_all_reduces='off' is an XLA:GPU setting; this mesh's devices are "
+            f"mesh.combine_all_reduces={combine!r} is an XLA:GPU setting; this mesh's devices are "
             f"{platform}"
         )
     if combine == "on" or platform != "gpu" or (combine == "auto" and mesh.shape["seq"] == 1):
         return {}
-    return dict(_NO_ALL_REDUCE_COMBINING)
+    if combine == "block":
+        block_bytes = largest_block_bytes(abstract_params, param_shardings)
+        if block_bytes < 1:
+            raise ValueError("mesh.combine_all_reduces='block' needs a model with blocks")
+        return {_COMBINE_THRESHOLD: block_bytes}
+    return {_COMBINE_THRESHOLD: 1}
+
+
+def largest_block_bytes(abstract_params, param_shardings: dict) -> int:
+    """Bytes of the largest residual block's parameters on one device (= its gradients', which
+    keep the parameters' dtypes), after `param_shardings` split them; 0 without blocks."""
+    per_block = collections.Counter()
+
+    def add(path, leaf, spec):
+        if path[0].key == "layers":
+            shard = spec.shard_shape(leaf.shape)
+            per_block[path[1].key] += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+
+    jax.tree_util.tree_map_with_path(add, nnx.to_pure_dict(abstract_params), param_shardings)
+    return max(per_block.values(), default=0)
 
 
 def state_shardings(state_shape, param_shardings: dict, tx, mesh, update_shardings=None):

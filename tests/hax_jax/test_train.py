@@ -239,26 +239,70 @@ def _stand_in_mesh(platform: str, seq: int):
 
 
 @pytest.mark.parametrize(
-    "combine, platform, seq, off",
+    "combine, platform, seq, threshold",
     [
-        ("auto", "gpu", 2, True),
-        ("auto", "gpu", 1, False),
-        ("auto", "cpu", 2, False),
-        ("auto", "tpu", 4, False),
-        ("on", "gpu", 2, False),
-        ("off", "gpu", 1, True),
+        ("auto", "gpu", 2, 1),
+        ("auto", "gpu", 1, None),
+        ("auto", "cpu", 2, None),
+        ("auto", "tpu", 4, None),
+        ("on", "gpu", 2, None),
+        ("off", "gpu", 1, 1),
+        ("block", "gpu", 2, "block"),
+        ("block", "gpu", 1, "block"),
     ],
 )
-def test_all_reduce_combining_is_off_where_gpus_split_the_sequence(combine, platform, seq, off):
+def test_all_reduce_combining_follows_the_setting(combine, platform, seq, threshold):
+    """Joining is off (threshold 1) where GPUs split the sequence by default, and limited to one
+    block's gradients under "block"."""
+    cfg = config_lib.apply_overrides(config_lib.load_config_file(ALL_KINDS[0]), ALL_KINDS[1:])
+    abstract = nnx.split(hax_jax.checkpoint.abstract_model(cfg.model), nnx.Param)[1]
+    replicated = jax.tree.map(lambda _: _replicated(), nnx.to_pure_dict(abstract))
     mesh_cfg = config_lib.MeshConfig(combine_all_reduces=combine)
-    options = training.step_compiler_options(mesh_cfg, _stand_in_mesh(platform, seq))
-    assert options == ({"xla_gpu_all_reduce_combine_threshold_bytes": 1} if off else {})
+    options = training.step_compiler_options(
+        mesh_cfg, _stand_in_mesh(platform, seq), abstract, replicated
+    )
+    if threshold == "block":
+        threshold = training.largest_block_bytes(abstract, replicated)
+        assert threshold > 1
+    assert options == ({} if threshold is None else {_THRESHOLD: threshold})
 
 
-def test_all_reduce_combining_off_is_refused_off_gpus():
-    mesh_cfg = config_lib.MeshConfig(combine_all_reduces="off")
-    with pytest.raises(ValueError, match=r"combine_all_reduces='off' .* devices are tpu"):
+_THRESHOLD = "xla_gpu_all_reduce_combine_threshold_bytes"
+
+
+def _replicated():
+    return jax.sharding.NamedSharding(jax.make_mesh((1,), ("data",)), jax.P())
+
+
+@pytest.mark.parametrize("combine", ["off", "block"])
+def test_gpu_only_all_reduce_combining_is_refused_off_gpus(combine):
+    mesh_cfg = config_lib.MeshConfig(combine_all_reduces=combine)
+    with pytest.raises(ValueError, match=rf"combine_all_reduces='{combine}' .* devices are tpu"):
         training.step_compiler_options(mesh_cfg, _stand_in_mesh("tpu", 2))
+
+
+def test_the_largest_block_is_counted_in_one_devices_bytes():
+    """largest_block_bytes against the bytes device 0 holds of each block's parameters, placed
+    for real with tensor=2 (split ones count half)."""
+    cfg = config_lib.apply_overrides(
+        config_lib.load_config_file(ALL_KINDS[0]), [*ALL_KINDS[1:], "mesh.data=4", "mesh.tensor=2"]
+    )
+    mesh = train.sharding.make_mesh(cfg.mesh)
+    abstract = nnx.split(hax_jax.checkpoint.abstract_model(cfg.model), nnx.Param)[1]
+    shardings, _ = training.param_and_update_shardings(abstract, mesh, cfg.mesh)
+    held, whole = {}, {}
+    params = nnx.to_pure_dict(abstract)
+    for i, layer in params["layers"].items():
+        leaves = list(zip(jax.tree.leaves(layer), jax.tree.leaves(shardings["layers"][i])))
+        held[i] = sum(
+            jax.device_put(np.zeros(x.shape, x.dtype), sh).addressable_shards[0].data.nbytes
+            for x, sh in leaves
+        )
+        whole[i] = sum(np.zeros(x.shape, x.dtype).nbytes for x, _ in leaves)
+    largest = max(held, key=held.get)
+    assert len(set(held.values())) > 1  # the kinds' blocks differ in size
+    assert held[largest] < whole[largest]  # and tensor=2 splits some of the largest's parameters
+    assert training.largest_block_bytes(abstract, shardings) == max(held.values())
 
 
 # Mamba-2 blocks the GPU kernels take (chunks of 64) on rows of 256: 2 shards of 2 chunks.
@@ -275,11 +319,12 @@ GPU_MAMBA2 = [
 @pytest.mark.gpu
 def test_a_split_sequence_on_gpus_compiles_without_joined_all_reduces(tmp_path):
     """On 2 GPUs with seq=2, the train step's compile keeps each all-reduce apart ("auto"): more
-    all-reduces than with XLA's combining ("on"), the same collectives otherwise."""
+    all-reduces than joined up to a block's gradients ("block"), and those no fewer than with
+    XLA's own joining ("on"); the same collectives otherwise."""
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs 2 GPUs")
     counts = {}
-    for combine in ("auto", "on"):
+    for combine in ("auto", "block", "on"):
         argv = [*GPU_MAMBA2, "mesh.data=1", "mesh.seq=2", f"mesh.combine_all_reduces={combine}"]
         trainer = _trainer(argv, tmp_path / combine)
         with jax.set_mesh(trainer.mesh):
@@ -288,8 +333,9 @@ def test_a_split_sequence_on_gpus_compiles_without_joined_all_reduces(tmp_path):
         trainer.close()
         kinds = [kind for kind, _ in collectives_of(hlo)]
         counts[combine] = {kind: kinds.count(kind) for kind in set(kinds)}
-    assert counts["auto"].pop("all-reduce") > counts["on"].pop("all-reduce")
-    assert counts["auto"] == counts["on"]
+    all_reduces = [counts[c].pop("all-reduce") for c in ("auto", "block", "on")]
+    assert all_reduces[0] > all_reduces[1] >= all_reduces[2]
+    assert counts["auto"] == counts["block"] == counts["on"]
 
 
 def test_a_workdir_of_another_model_is_refused(tmp_path):
