@@ -211,15 +211,13 @@ class Trainer:
         return checkpoint.best_checkpointer(self.workdir)
 
     def _wait_for_saves(self) -> None:
-        """Waits for the async checkpoints (also the best parameters'): a process that exits while
-        one is being written leaves the other processes waiting at its barrier."""
+        """Waits for the async saves (best too): one left mid-write stalls the others' barrier."""
         self.manager.wait_until_finished()
         if "best" in self.__dict__:  # the cached manager exists once an evaluation has run
             self.best.wait_until_finished()
 
     def close(self) -> None:
-        """Closes the checkpoint managers (their writer threads end): a process that runs
-        train.main again (bench/train_throughput.py) does not keep the old ones' threads."""
+        """Ends the checkpoint managers' writer threads (bench/train_throughput.py reruns main)."""
         self.manager.close()
         if "best" in self.__dict__:
             self.best.close()
