@@ -7,6 +7,9 @@ the milliseconds per line. With two steps (e.g. one GPU and seq=2) it prints, pe
 step's time minus the first's scaled by --scale (0.5: half of one GPU's work per device):
 
     python bench/kernel_attribution.py ONE.hlo.txt ONE.log SEQ2.hlo.txt SEQ2.log --scale 0.5
+
+With --line PATTERN it lists instead, per step, the kernels behind the source lines containing
+PATTERN (e.g. conv.py:1), to read their fusions in the HLO.
 """
 
 import argparse
@@ -74,9 +77,9 @@ def kernel_times(path: str) -> dict[str, float]:
     return times
 
 
-def by_source(hlo: str, log: str) -> dict[str, float]:
-    """{source line (or "kernel:<name>"): ms per step}; SystemExit naming a file that cannot be
-    read or holds no kernel list / no stack metadata."""
+def read_step(hlo: str, log: str) -> tuple[dict[str, str], dict[str, float]]:
+    """(`hlo_sources`, `kernel_times`) of one step; SystemExit naming a file that cannot be read
+    or holds no kernel list / no stack metadata."""
     try:
         sources, times = hlo_sources(hlo), kernel_times(log)
     except OSError as e:
@@ -85,10 +88,24 @@ def by_source(hlo: str, log: str) -> dict[str, float]:
         raise SystemExit(f"error: {log} lists no kernels (run train_throughput.py --profile N)")
     if not sources:
         raise SystemExit(f"error: {hlo} has no instructions with metadata (not an optimized HLO?)")
+    return sources, times
+
+
+def by_source(hlo: str, log: str) -> dict[str, float]:
+    """{source line (or "kernel:<name>"): ms per step}."""
+    sources, times = read_step(hlo, log)
     out = collections.defaultdict(float)
     for kernel, ms in times.items():
         out[sources.get(kernel, f"kernel:{kernel}")] += ms
     return out
+
+
+def kernels_of_line(hlo: str, log: str, pattern: str) -> list[tuple[float, str, str]]:
+    """(ms per step, kernel, source) of the kernels whose source line contains `pattern`, the
+    slowest first."""
+    sources, times = read_step(hlo, log)
+    rows = [(ms, k, sources[k]) for k, ms in times.items() if pattern in sources.get(k, "")]
+    return sorted(rows, reverse=True)
 
 
 def main():
@@ -96,9 +113,17 @@ def main():
     parser.add_argument("files", nargs="+", help="HLO LOG [HLO2 LOG2]")
     parser.add_argument("--scale", type=float, default=1.0, help="factor on the first step")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--line", help="list the kernels of the source lines containing this")
     args = parser.parse_args()
     if len(args.files) not in (2, 4):
         parser.error(f"give HLO LOG or HLO LOG HLO2 LOG2, got {len(args.files)} files")
+    if args.line is not None:
+        for hlo, log in zip(args.files[::2], args.files[1::2]):
+            rows = kernels_of_line(hlo, log, args.line)
+            print(f"{log}: {sum(r[0] for r in rows):.3f} ms in {len(rows)} kernels")
+            for ms, kernel, source in rows[: args.top]:
+                print(f"{ms:8.3f} ms  {kernel}  ({source})")
+        return
     first = by_source(*args.files[:2])
     if len(args.files) == 2:
         for key, ms in sorted(first.items(), key=lambda kv: -kv[1])[: args.top]:
