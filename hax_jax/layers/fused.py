@@ -227,8 +227,9 @@ def conv_joined(x, kernels, biases, states, seq_idx, order: Sequence[str]):
     of a fused projection's output (no copy): -> (y (b, l, total), new states per part)."""
     kernel, shapes = side_by_side(kernels, order, lead=1)
     bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
-    # Joined once and read: fused into the conv's loop, XLA re-joined the parts for every element
-    # (inside shard_map on seq=2: 5.2 ms a 64K HAX step, 1.7x one GPU's time per token, H200).
+    # Joined once and read: left to XLA, the join was fused into the conv's elementwise loops and
+    # redone for every element (H200, HAX 64K: such loops took 1.2x the time per element of one
+    # that read the joined kernel; on seq=2 the conv's own loop was one of them).
     kernel, bias = jax.lax.optimization_barrier((kernel, bias))
     state = None if states is None else side_by_side(states, order, lead=2)[0]
     y, new_state = conv_shard(x, kernel, bias, state, seq_idx)
