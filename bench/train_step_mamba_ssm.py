@@ -13,7 +13,9 @@ the residual in fp32, final RMSNorm, tied head) over its fused paths: Mamba-1 is
 are configs/released.py's, with mamba_ssm's defaults (Mamba-1 d_state 16; Mamba-2 d_state 128,
 headdim 64) and vocabularies (50277 padded to 8 or 16). As ours (bench/train_throughput.py):
 fp32 parameters, bf16 compute (autocast), AdamW (torch's fused), clip 1.0, rows of --seq random
-tokens. `--compile` runs the model under torch.compile. The batches run in the order given
+tokens. `--compile` runs the model under torch.compile; `--kernel-time` adds the step's summed CUDA
+kernel time (torch.profiler over 3 more steps): far below the step time, the step waits on the host
+launching kernels. The batches run in the order given
 (ascending), each after two warm-up steps, until one runs out of memory: the last row that ran is
 the largest batch that fits. Loading the peer: bench/mamba_ssm_peer.py.
 """
@@ -94,8 +96,11 @@ def build_lm(kind: str, d_model: int, n_layer: int, vocab: int):
     return LM().cuda()
 
 
-def time_batch(model, optimizer, batch: int, seq: int, vocab: int, steps: int) -> dict:
-    """ms a step, tokens/s and peak GiB of `steps` steps at `batch` rows, after two warm-ups."""
+def time_batch(
+    model, optimizer, batch: int, seq: int, vocab: int, steps: int, kernel_time: bool = False
+) -> dict:
+    """ms a step, tokens/s and peak GiB of `steps` steps at `batch` rows, after two warm-ups;
+    with kernel_time also the summed CUDA kernel ms of a step."""
     import torch
     import torch.nn.functional as F
 
@@ -122,11 +127,26 @@ def time_batch(model, optimizer, batch: int, seq: int, vocab: int, steps: int) -
     seconds = (time.perf_counter() - start) / steps
     if not math.isfinite(float(loss)):
         raise FloatingPointError(f"non-finite loss {float(loss)} at batch {batch}")
-    return {
+    out = {
         "step_ms": 1e3 * seconds,
         "tokens_per_s": batch * seq / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
+    if kernel_time:
+        out["kernel_ms"] = kernel_ms_a_step(step, 3)
+    return out
+
+
+def kernel_ms_a_step(step, steps: int) -> float:
+    """The CUDA kernels' summed time of one step (one stream: their sum is the GPU's busy time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
 
 
 def check_args(models: list[str], sizes: dict, peer: str, causal_conv1d: str, **positive) -> None:
@@ -155,6 +175,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="the model under torch.compile")
+    parser.add_argument("--kernel-time", action="store_true", help="also the summed kernel ms")
     parser.add_argument("--peer", default=".peer", help="mamba_ssm checkout (mamba_ssm_peer.py)")
     parser.add_argument("--build-dir", default=".peer/build", help="the CUDA selective scan's")
     parser.add_argument("--causal-conv1d", required=True, help="gzipped causal_conv1d_cuda.so")
@@ -177,18 +198,20 @@ def main() -> None:
     print(
         f"\nmamba_ssm {args.model} ({params / 1e6:.0f}M parameters), torch {torch.__version__}, "
         f"{torch.cuda.get_device_name()}{', torch.compile' if args.compile else ''}\n\n"
-        "| batch | step ms | tokens/s | peak GiB |\n| ---: | ---: | ---: | ---: |",
+        "| batch | step ms | tokens/s | peak GiB | kernel ms |\n"
+        "| ---: | ---: | ---: | ---: | ---: |",
         flush=True,
     )
     for batch in batches:
         try:
-            r = time_batch(run, optimizer, batch, args.seq, vocab, args.steps)
+            r = time_batch(run, optimizer, batch, args.seq, vocab, args.steps, args.kernel_time)
         except torch.cuda.OutOfMemoryError:
-            print(f"| {batch} x {args.seq} | | | out of memory |", flush=True)
+            print(f"| {batch} x {args.seq} | | | out of memory | |", flush=True)
             break
+        kernel = f"{r['kernel_ms']:.2f}" if "kernel_ms" in r else ""
         print(
             f"| {batch} x {args.seq} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['peak_gib']:.1f} |",
+            f"{r['peak_gib']:.1f} | {kernel} |",
             flush=True,
         )
         gc.collect()
