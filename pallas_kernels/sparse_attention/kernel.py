@@ -290,12 +290,15 @@ def _ks_bwd_kernel(
     block_e,
     unrolled,
     first_block,
+    accumulate,
 ):
     """One query block over the whole e: dq; dk, dv of its own keys; its prefix parts
-    (refs: the six _ks_masks arrays, lse, delta, dO; then the five outputs)."""
+    (refs: the six _ks_masks arrays, lse, delta, dO, with accumulate the dv to add the own keys'
+    to; then the five outputs)."""
     meta_refs = refs[:6]
     lse_ref, delta_ref, do_ref = refs[6:9]
-    dq_ref, dk_ref, dv_ref, dk_pre_ref, dv_pre_ref = refs[9:]
+    dv_in_ref = refs[9] if accumulate else None
+    dq_ref, dk_ref, dv_ref, dk_pre_ref, dv_pre_ref = refs[10:] if accumulate else refs[9:]
     q, k, pre_k = q_ref[...], k_ref[...], pre_k_ref[...]
     mask_pre, mask_own = _ks_masks(first_block + pl.program_id(1), *meta_refs)
     lse, delta = lse_ref[...], delta_ref[...]
@@ -320,7 +323,8 @@ def _ks_bwd_kernel(
     def store_dv(cols, carry):
         """dv of the own and prefix keys over one column chunk."""
         do_c = do_ref[:, cols]
-        dv_ref[:, cols] = _dot(p_own.astype(do_c.dtype), do_c, trans_a=True)
+        dv_own = _dot(p_own.astype(do_c.dtype), do_c, trans_a=True)
+        dv_ref[:, cols] = (dv_own + dv_in_ref[:, cols]) if accumulate else dv_own
         dv_pre_ref[:, cols] = _dot(p_pre.astype(do_c.dtype), do_c, trans_a=True)
         return carry
 
@@ -330,9 +334,12 @@ def _ks_bwd_kernel(
 # ---------------------------------------------------------------- launch
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, *, cfg, scratch=(), revisit=False):
+def _call(
+    kernel, grid, in_specs, out_specs, out_shape, *, cfg, scratch=(), revisit=False, aliases=None
+):
     """pallas_call with the variant's compiler parameters; revisit: the last grid axis writes
-    the same output block (sequential on tpu)."""
+    the same output block (sequential on tpu); aliases {input index: output index}: that output
+    is written into the input's buffer (blocks the kernel does not write keep the input)."""
     blocks, variant, interpret = cfg
     last = "arbitrary" if revisit else "parallel"
     return pl.pallas_call(
@@ -341,6 +348,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, *, cfg, scratch=(), revi
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases or {},
         scratch_shapes=list(scratch),
         interpret=interpret_for(variant, interpret),
         compiler_params=compiler_params(
@@ -478,9 +486,11 @@ def ks_forward(q, k, v, ks_args, init, *, out_dtype, cfg):
     )(q, k, v, *ks_args, *init)
 
 
-def ks_backward(q, k, v, ks_args, lse, delta, do, *, cfg):
+def ks_backward(q, k, v, ks_args, lse, delta, do, *, cfg, dv_in=None):
     """Gradients of the ks pass: dq, dk, dv of the blocks' own keys (b, Lq, .: the last Lq of
-    the keys) and the prefix parts dk (b, nblocks, kcp, n), dv (b, nblocks, kcp, e); fp32."""
+    the keys) and the prefix parts dk (b, nblocks, kcp, n), dv (b, nblocks, kcp, e); fp32.
+    With dv_in (b, Lk, e) fp32 (the lsh pass's dv) the own keys' dv is added into it in place
+    and dv is (b, Lk, e): no separate (b, Lq, e) array and sum."""
     blocks, variant, _ = cfg
     (b, length, n), e = q.shape, v.shape[-1]
     bq = blocks.block_q
@@ -489,19 +499,27 @@ def ks_backward(q, k, v, ks_args, lse, delta, do, *, cfg):
     sp = Specs(variant)
     nblocks = length // bq
     column = sp.rows(bq, 1, lambda c: (c, 0))
+    own_dv = sp.rows(bq, e, lambda c: (c + first_block, 0))
     in_specs = ks_specs(sp, bq, kcp, n, e, lambda c: 0, first_block)
     in_specs += [column, column, sp.rows(bq, e, lambda c: (c, 0))]
     out_specs = [sp.rows(bq, n, lambda c: (c, 0)), sp.rows(bq, n, lambda c: (c, 0))]
-    out_specs += [sp.rows(bq, e, lambda c: (c, 0))]
+    out_specs += [sp.rows(bq, e, lambda c: (c, 0)) if dv_in is None else own_dv]
     out_specs += [sp.slab((kcp, n), lambda c: (c, 0, 0)), sp.slab((kcp, e), lambda c: (c, 0, 0))]
-    out_shape = [_shape((b, length, n))] * 2 + [_shape((b, length, e))]
+    dv_rows = length if dv_in is None else k.shape[1]
+    out_shape = [_shape((b, length, n))] * 2 + [_shape((b, dv_rows, e))]
     out_shape += [_shape((b, nblocks, kcp, n)), _shape((b, nblocks, kcp, e))]
+    args = (q, k, v, *ks_args, lse, delta, do)
+    aliases = None
+    if dv_in is not None:
+        in_specs.append(own_dv)
+        aliases = {len(args): 2}
+        args += (dv_in,)
     kernel = functools.partial(
         _ks_bwd_kernel,
         block_e=blocks.block_e,
         unrolled=variant == "tpu",
         first_block=first_block,
+        accumulate=dv_in is not None,
     )
-    return _call(kernel, (b, nblocks), in_specs, out_specs, out_shape, cfg=cfg)(
-        q, k, v, *ks_args, lse, delta, do
-    )
+    grid = (b, nblocks)
+    return _call(kernel, grid, in_specs, out_specs, out_shape, cfg=cfg, aliases=aliases)(*args)

@@ -218,8 +218,10 @@ def backward(q, k, v, lay, o, lse, do, *, kc, cfg):
         dk += _rows(dk_s, lsh.key_slot)
         dv += dv_lsh
     if lay.ks is not None:
-        dq_ks, dk_own, dv_own, dk_pre, dv_pre = kernel.ks_backward(
-            qp, kp, vp, _ks_args(kp, vp, lay, kc), lse, delta, do_p, cfg=cfg
+        # After lsh, the ks kernel adds its own keys' dv into lsh's in place.
+        dv_in = dv if lay.lsh is not None else None
+        dq_ks, dk_own, dv_ks, dk_pre, dv_pre = kernel.ks_backward(
+            qp, kp, vp, _ks_args(kp, vp, lay, kc), lse, delta, do_p, cfg=cfg, dv_in=dv_in
         )
         pos = jnp.pad(
             lay.ks.prefix_pos,
@@ -228,7 +230,8 @@ def backward(q, k, v, lay, o, lse, do, *, kc, cfg):
         )
         dq += dq_ks
         dk = _scatter_add(dk.at[:, first:].add(dk_own), dk_pre, pos)
-        dv = _scatter_add(dv.at[:, first:].add(dv_own), dv_pre, pos)
+        dv = dv_ks if dv_in is not None else dv.at[:, first:].add(dv_ks)
+        dv = _scatter_add(dv, dv_pre, pos)
     return (
         dq[:, :lq, :n].astype(q.dtype),
         dk[:, :lk, :n].astype(k.dtype),
