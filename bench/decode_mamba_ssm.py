@@ -86,10 +86,8 @@ def main() -> None:
 
     import torch
 
-    mamba_ssm_peer.load_causal_conv1d(args.peer, args.causal_conv1d)
-    if any(sizes[n][0] == "mamba" for n in names):  # Mamba-1's prefill runs the CUDA scan
-        mamba_ssm_peer.load_selective_scan_cuda(args.peer, args.build_dir)
-    mamba_ssm_peer.register_packages(args.peer)
+    mamba1 = any(sizes[n][0] == "mamba" for n in names)  # its prefill runs the CUDA scan
+    mamba_ssm_peer.load_models(args.peer, args.causal_conv1d, args.build_dir, mamba1)
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}))
     for name in names:
         kind, d_model, n_layer = sizes[name]

@@ -104,6 +104,16 @@ def load_causal_conv1d(peer_dir, prebuilt):
     importlib.import_module("causal_conv1d")
 
 
+def load_models(peer_dir, causal_conv1d, build_dir, selective_scan: bool):
+    """What mamba_ssm's modules and models import: causal-conv1d (`load_causal_conv1d`), with
+    selective_scan the CUDA selective scan (Mamba-1's; Mamba-2's fused path needs none), and
+    mamba_ssm's packages registered."""
+    load_causal_conv1d(peer_dir, causal_conv1d)
+    if selective_scan:
+        load_selective_scan_cuda(peer_dir, build_dir)
+    register_packages(peer_dir)
+
+
 def _build(peer_dir, build_dir):
     """Compile csrc/selective_scan with torch's cpp_extension (sm_90, mamba_ssm's flags)."""
     from torch.utils.cpp_extension import load

@@ -15,9 +15,9 @@ headdim 64) and vocabularies (50277 padded to 8 or 16). As ours (bench/train_thr
 fp32 parameters, bf16 compute (autocast), AdamW (torch's fused), clip 1.0, rows of --seq random
 tokens. `--compile` runs the model under torch.compile; `--kernel-time` adds the step's summed CUDA
 kernel time (torch.profiler over 3 more steps): far below the step time, the step waits on the host
-launching kernels. The batches run in the order given
-(ascending), each after two warm-up steps, until one runs out of memory: the last row that ran is
-the largest batch that fits. Loading the peer: bench/mamba_ssm_peer.py.
+launching kernels. The batches run in the order given (ascending), each after two warm-up steps,
+until one runs out of memory: the last row that ran is the largest batch that fits. Loading the
+peer: bench/mamba_ssm_peer.py.
 """
 
 import argparse
@@ -187,10 +187,7 @@ def main() -> None:
 
     import torch
 
-    mamba_ssm_peer.load_causal_conv1d(args.peer, args.causal_conv1d)
-    if kind == "mamba":  # Mamba-2's fused path needs no selective scan
-        mamba_ssm_peer.load_selective_scan_cuda(args.peer, args.build_dir)
-    mamba_ssm_peer.register_packages(args.peer)
+    mamba_ssm_peer.load_models(args.peer, args.causal_conv1d, args.build_dir, kind == "mamba")
     model = build_lm(kind, d_model, n_layer, vocab)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
