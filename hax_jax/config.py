@@ -149,14 +149,14 @@ class MeshConfig:
     # gradients, the new parameters are gathered. fsdp implies it over "data".
     shard_optimizer: bool = False
     # XLA:GPU's joining of all-reduces (the gradients' reductions over "data" and "seq") into
-    # fewer, larger ones. "auto": XLA's default, except off when "seq" is split: there the joined
-    # all-reduces of many blocks made XLA hold every block's weight-gradient inputs to the end of
-    # the backward (HAX-Mamba-2 130M, 16 blocks, 1 x 65536 on seq=2: 10.70 GiB of temporaries per
-    # GPU joined, 5.43 not; 1M tokens fit on 2 x H200 only unjoined), at a cost in step time
-    # (Mamba-2 32K on seq=2: 94.21 ms unjoined, 90.24 joined; BENCHMARKS.md, eighth and ninth
-    # sessions). "on": XLA's default everywhere; "off": never joined; "block": joined up to the
-    # largest block's gradient bytes on a device, so no joined all-reduce waits on many blocks
-    # (GPU only, "off" and "block"; elsewhere refused).
+    # fewer, larger ones. Joined without limit across many blocks, XLA holds every block's
+    # weight-gradient inputs to the end of the backward (HAX-Mamba-2 130M 1M tokens on seq=2 then
+    # failed to allocate 342.89 GiB); never joined, a split sequence pays for hundreds of small
+    # all-reduces. "block": joined up to the largest block's gradient bytes on a device (2 x H200,
+    # seq=2: Mamba-2 32K 89.70 ms against 92.59 unjoined and 88.74 unlimited; HAX 1M tokens fit,
+    # 89.9 GiB a GPU; BENCHMARKS.md, tenth session). "auto": "block" where GPUs split the sequence,
+    # XLA's default otherwise. "on": XLA's default everywhere; "off": never joined. "off" and
+    # "block" are XLA:GPU settings, refused elsewhere.
     combine_all_reduces: Literal["auto", "on", "off", "block"] = "auto"
 
 

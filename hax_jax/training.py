@@ -194,10 +194,10 @@ def step_compiler_options(mesh_cfg, mesh, abstract_params=None, param_shardings=
         )
     if combine == "on" or platform != "gpu" or (combine == "auto" and mesh.shape["seq"] == 1):
         return {}
-    if combine == "block":
+    if combine in ("auto", "block"):
         block_bytes = largest_block_bytes(abstract_params, param_shardings)
         if block_bytes < 1:
-            raise ValueError("mesh.combine_all_reduces='block' needs a model with blocks")
+            raise ValueError(f"mesh.combine_all_reduces={combine!r} needs a model with blocks")
         return {_COMBINE_THRESHOLD: block_bytes}
     return {_COMBINE_THRESHOLD: 1}
 

@@ -241,7 +241,7 @@ def _stand_in_mesh(platform: str, seq: int):
 @pytest.mark.parametrize(
     "combine, platform, seq, threshold",
     [
-        ("auto", "gpu", 2, 1),
+        ("auto", "gpu", 2, "block"),
         ("auto", "gpu", 1, None),
         ("auto", "cpu", 2, None),
         ("auto", "tpu", 4, None),
@@ -252,8 +252,8 @@ def _stand_in_mesh(platform: str, seq: int):
     ],
 )
 def test_all_reduce_combining_follows_the_setting(combine, platform, seq, threshold):
-    """Joining is off (threshold 1) where GPUs split the sequence by default, and limited to one
-    block's gradients under "block"."""
+    """Joining is limited to one block's gradients where GPUs split the sequence by default and
+    under "block", off (threshold 1) under "off"."""
     cfg = config_lib.apply_overrides(config_lib.load_config_file(ALL_KINDS[0]), ALL_KINDS[1:])
     abstract = nnx.split(hax_jax.checkpoint.abstract_model(cfg.model), nnx.Param)[1]
     replicated = jax.tree.map(lambda _: _replicated(), nnx.to_pure_dict(abstract))
@@ -317,14 +317,15 @@ GPU_MAMBA2 = [
 
 
 @pytest.mark.gpu
-def test_a_split_sequence_on_gpus_compiles_without_joined_all_reduces(tmp_path):
-    """On 2 GPUs with seq=2, the train step's compile keeps each all-reduce apart ("auto"): more
-    all-reduces than joined up to a block's gradients ("block"), and those no fewer than with
+def test_a_split_sequence_on_gpus_joins_all_reduces_up_to_a_block(tmp_path):
+    """On 2 GPUs with seq=2, the train step's compile joins all-reduces up to a block's gradients
+    ("auto" and "block"): fewer all-reduces than never joined ("off"), and no fewer than with
     XLA's own joining ("on"); the same collectives otherwise."""
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs 2 GPUs")
+    settings = ("off", "auto", "block", "on")
     counts = {}
-    for combine in ("auto", "block", "on"):
+    for combine in settings:
         argv = [*GPU_MAMBA2, "mesh.data=1", "mesh.seq=2", f"mesh.combine_all_reduces={combine}"]
         trainer = _trainer(argv, tmp_path / combine)
         with jax.set_mesh(trainer.mesh):
@@ -333,9 +334,9 @@ def test_a_split_sequence_on_gpus_compiles_without_joined_all_reduces(tmp_path):
         trainer.close()
         kinds = [kind for kind, _ in collectives_of(hlo)]
         counts[combine] = {kind: kinds.count(kind) for kind in set(kinds)}
-    all_reduces = [counts[c].pop("all-reduce") for c in ("auto", "block", "on")]
-    assert all_reduces[0] > all_reduces[1] >= all_reduces[2]
-    assert counts["auto"] == counts["block"] == counts["on"]
+    off, auto, block, on = (counts[c].pop("all-reduce") for c in settings)
+    assert off > auto == block >= on
+    assert counts["off"] == counts["auto"] == counts["block"] == counts["on"]
 
 
 def test_a_workdir_of_another_model_is_refused(tmp_path):
