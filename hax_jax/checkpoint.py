@@ -19,7 +19,7 @@ PARAMS_DIR = "params"
 # Settings that leave the trained numbers alone (memory for compute; how much validation runs): a
 # run may resume with others (remat switched on after running out of memory), or from a checkpoint
 # written before they existed.
-FREE_SETTINGS = ("model.remat", "model.loss_chunk", "data.eval_batches")
+FREE_SETTINGS = ("model.remat", "model.mamba.scan_states", "model.loss_chunk", "data.eval_batches")
 
 
 def abstract_model(cfg: ModelConfig) -> LanguageModel:

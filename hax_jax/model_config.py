@@ -24,6 +24,14 @@ REMAT_MIN_LEN = 8192
 # 130M step at 8 x 2048 (3.3 GB at a 50288 vocab) stays whole; 1 x 1M tokens (211 GB) goes in 64
 # chunks. H200, 1 x 32768 with remat: 2 chunks 152.1 ms / 8.7 GiB, whole rows 145.4 ms / 13.1 GiB.
 LOGITS_BUDGET = 4 * 2**30
+# mamba.scan_states="auto" recomputes the Pallas scan's states in the backward when every Mamba
+# layer's (kept at once where blocks are not rematerialised) would pass this share of a device's
+# memory. On GPUs they are fp32 every 4 steps, b l d_inner d_state bytes a layer: 130M 32 x 2048,
+# 36 GiB (H200: 90.1 GiB a step against mamba_ssm's 65.7); 1.4B 8 x 2048, 48 GiB (failed to
+# allocate 86.63 GiB where mamba_ssm ran 16 rows). Below it they stay: recomputing costs a forward
+# kernel a layer (455 us at 8 x 2048 x 1536, H100), ours 86.32 ms against mamba_ssm's 96.71 at
+# 130M 8 x 2048 (BENCHMARKS.md).
+SCAN_STATES_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +118,11 @@ class MambaConfig:
     conv_bias: bool = True  # bias in the conv
     bias: bool = False  # bias in in_proj and out_proj
     scan_impl: Literal["auto", "reference", "associative", "pallas"] = "auto"  # auto: Pallas on GPU
+    # Where the Pallas scan's backward gets its fp32 states (selective_scan recompute_states):
+    # "saved" from the forward, "recomputed" by running the forward kernel again in the backward;
+    # "auto" recomputes when blocks are not rematerialised and every Mamba layer's states would
+    # pass SCAN_STATES_SHARE of a device's memory (never where the memory is not known: CPU).
+    scan_states: Literal["auto", "saved", "recomputed"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -203,6 +216,10 @@ class ModelConfig:
                     f"n_heads={d_inner // m2.headdim} must be a multiple of "
                     f"mamba2.ngroups={m2.ngroups}"
                 )
+
+    def remat_blocks(self, length: int) -> bool:
+        """Whether each block recomputes its activations in the backward, for rows of `length`."""
+        return self.remat == "block" or (self.remat == "auto" and length >= REMAT_MIN_LEN)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -13,6 +13,7 @@ from its incoming state. The conv takes a halo of its width - 1 inputs from the 
 (`from_previous_shard`). Only states and halos travel; no activation is gathered over "seq".
 """
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -321,7 +322,7 @@ def _state_from_zero(x, dt, A, B, seq_idx) -> jax.Array:
 
 
 def selective_scan_sequence_parallel(
-    x, dt, A, B, C, D, z, initial_state, *, impl: str
+    x, dt, A, B, C, D, z, initial_state, *, impl: str, recompute_states: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """`pallas_kernels.selective_scan` (y, final state) of this shard, exact to one device.
 
@@ -329,24 +330,14 @@ def selective_scan_sequence_parallel(
     exp(A sum_t dt_t) per (channel, state) the shards' states are passed (`incoming_states`);
     a second scan runs from the incoming state (the S6 state is per channel, so the incoming
     state's effect on y is not one cheap matmul as in SSD: the kernel applies it)."""
+    scan = functools.partial(selective_scan, impl=impl, recompute_states=recompute_states)
     if seq_shards() == 1:
-        return selective_scan(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            D=D,
-            z=z,
-            initial_state=initial_state,
-            return_final_state=True,
-            impl=impl,
-        )
-    _, final = selective_scan(x, dt, A, B, C, return_final_state=True, impl=impl)
+        return scan(x, dt, A, B, C, D=D, z=z, initial_state=initial_state, return_final_state=True)
+    _, final = scan(x, dt, A, B, C, return_final_state=True)
     dt_sum_bd = jnp.sum(dt.astype(jnp.float32), axis=1)
     decay_bdn = jnp.exp(dt_sum_bd[:, :, None] * A.astype(jnp.float32))
     h_in, h_final = incoming_states(decay_bdn, final, initial_state)
-    y = selective_scan(x, dt, A, B, C, D=D, z=z, initial_state=h_in, impl=impl)
+    y = scan(x, dt, A, B, C, D=D, z=z, initial_state=h_in)
     return y, h_final
 
 

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, SCAN_STATES_SHARE, ModelConfig
 from hax_jax.layers import init
 from hax_jax.layers.conv import CausalConv1d, conv_shard
 from hax_jax.layers.fused import FusedLinear, Part, linear_parts
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
 from hax_jax.parallel import per_device, selective_scan_sequence_parallel
+from pallas_kernels.selective_scan import saved_states_bytes
 
 
 class MambaCache(NamedTuple):
@@ -36,7 +37,10 @@ class MambaMixer(nnx.Module):
         r = m.dt_rank or math.ceil(d / 16)
         dtype = jnp.dtype(cfg.dtype)
         self.d_inner, self.d_state, self.dt_rank, self.dtype = e, n, r, dtype
-        self.scan_impl = m.scan_impl
+        self.scan_impl, self.scan_states = m.scan_impl, m.scan_states
+        # Layers whose scan states one backward holds at once when blocks are not rematerialised.
+        self.mamba_layers = cfg.mixer_kinds.count("mamba")
+        self.remat_blocks = cfg.remat_blocks
 
         linear = functools.partial(init.linear, rngs=rngs, dtype=dtype)
 
@@ -139,8 +143,11 @@ class MambaMixer(nnx.Module):
 
         h0 = None if cache is None else cache.ssm
         channels = ("batch", "seq", "inner")
+        layers_held = 0 if self.remat_blocks(u.shape[1]) else self.mamba_layers
         y, ssm_state = per_device(
-            functools.partial(selective_scan_sequence_parallel, impl=self.scan_impl),
+            functools.partial(
+                _scan_shard, impl=self.scan_impl, states=self.scan_states, layers=layers_held
+            ),
             dict(
                 x=x,
                 dt=dt,
@@ -196,3 +203,29 @@ def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *
     proj = linear_parts(u, in_kernels, in_biases, dtype, ("x", "z"))
     x, new_state = conv_shard(proj["x"], conv_kernel, conv_bias, conv_state, None)
     return jax.nn.silu(x), proj["z"], new_state
+
+
+def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers):
+    """The selective scan of one device's shard (`selective_scan_sequence_parallel`), its backward's
+    states saved or recomputed as `states` says ("auto" on this shard's sizes, `layers` Mamba
+    layers' states held at once)."""
+    b, l, d = x.shape
+    held = layers * saved_states_bytes(b, l, d, A.shape[1])
+    recompute = recomputes_scan_states(states, held)
+    return selective_scan_sequence_parallel(
+        x, dt, A, B, C, D, z, initial_state, impl=impl, recompute_states=recompute
+    )
+
+
+def recomputes_scan_states(setting: str, held_bytes: int) -> bool:
+    """mamba.scan_states resolved: "auto" recomputes when `held_bytes` of saved states would pass
+    SCAN_STATES_SHARE of a device's memory (kept where the device does not tell it: CPU)."""
+    if setting != "auto":
+        return setting == "recomputed"
+    limit = device_memory_bytes()
+    return limit is not None and held_bytes > SCAN_STATES_SHARE * limit
+
+
+def device_memory_bytes() -> int | None:
+    """What jax may allocate on one of this process's devices, or None where unknown."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")

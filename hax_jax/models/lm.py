@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hax_jax.config import DEFAULT_CAPACITY, REMAT_MIN_LEN, ModelConfig
+from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 from hax_jax.parallel import CARRIED
@@ -100,7 +100,7 @@ class LanguageModel(nnx.Module):
         The loss takes this and `head` to compute logits a chunk of positions at a time.
         """
         tokens = self._check_tokens(tokens, ndim=2)
-        block = _remat_block if self._remat(tokens.shape[1]) else _block
+        block = _remat_block if self.cfg.remat_blocks(tokens.shape[1]) else _block
         # Block boundaries carry the residual stream as (batch, seq, embed) under the current mesh.
         x = shard(self._embed(tokens), "batch", "seq", "embed")
         rngs = (
@@ -139,10 +139,6 @@ class LanguageModel(nnx.Module):
     def _final_norm(self, x: jax.Array) -> jax.Array:
         """The residual stream through norm_f, in the compute dtype (the head's input)."""
         return self.norm_f(x).astype(jnp.dtype(self.cfg.dtype))
-
-    def _remat(self, length: int) -> bool:
-        """Whether each block recomputes its activations in the backward, for rows of `length`."""
-        return self.cfg.remat == "block" or (self.cfg.remat == "auto" and length >= REMAT_MIN_LEN)
 
     def _check_tokens(self, tokens, *, ndim: int) -> jax.Array:
         """tokens as a jax array, checked: shape and dtype always, the id range too when the values

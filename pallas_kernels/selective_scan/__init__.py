@@ -2,12 +2,13 @@
 fused Pallas kernels (impl="pallas", tuned by BlockSizes)."""
 
 from .associative import selective_scan_associative
-from .ops import selective_scan
+from .ops import saved_states_bytes, selective_scan
 from .reference import selective_scan_reference
 from .tiling import BlockSizes
 
 __all__ = [
     "BlockSizes",
+    "saved_states_bytes",
     "selective_scan",
     "selective_scan_associative",
     "selective_scan_reference",

@@ -70,28 +70,16 @@ def _bwd_knobs(sizes):
     return dict(chunk_bwd=sizes.chunk_bwd, block_d=sizes.block_d_bwd, num_warps=sizes.num_warps_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute):
     """(y, final state) by the Pallas kernels, differentiable through the fused backward."""
-    y, final, _ = pallas.forward(
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        z,
-        initial_state,
-        variant=variant,
-        interpret=interpret,
-        **_fwd_knobs(sizes),
-    )
+    y, final, _ = _forward(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes)
     return y, final
 
 
-def _pallas_scan_fwd(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes):
-    """Forward that also saves the state every chunk_bwd steps for the backward."""
-    y, final, states = pallas.forward(
+def _forward(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, save_states=False):
+    """pallas.forward with the resolved sizes: (y, final state, the saved states or None)."""
+    return pallas.forward(
         x,
         dt,
         A,
@@ -102,15 +90,24 @@ def _pallas_scan_fwd(x, dt, A, B, C, D, z, initial_state, variant, interpret, si
         initial_state,
         variant=variant,
         interpret=interpret,
-        save_states=True,
+        save_states=save_states,
         **_fwd_knobs(sizes),
     )
-    return (y, final), (x, dt, A, B, C, D, z, initial_state, states)
 
 
-def _pallas_scan_bwd(variant, interpret, sizes, residuals, cotangents):
+def _pallas_scan_fwd(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute):
+    """Forward that also saves the state every chunk_bwd steps for the backward, unless the
+    backward is to recompute them."""
+    inputs = (x, dt, A, B, C, D, z, initial_state)
+    y, final, states = _forward(*inputs, variant, interpret, sizes, save_states=not recompute)
+    return (y, final), (*inputs, states)
+
+
+def _pallas_scan_bwd(variant, interpret, sizes, recompute, residuals, cotangents):
     """Cotangents of every input (None for absent optional ones), in the inputs' dtypes."""
     x, dt, A, B, C, D, z, initial_state, states = residuals
+    if recompute:  # the forward again, this time keeping its states
+        _, _, states = _forward(*residuals[:-1], variant, interpret, sizes, save_states=True)
     dout, dfinal = cotangents
     dx, ddt, dA, dB, dC, dD, dz, dh0 = pallas.backward(
         x,
@@ -144,6 +141,14 @@ def _pallas_scan_bwd(variant, interpret, sizes, residuals, cotangents):
 _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
 
 
+def saved_states_bytes(b, l, d, n, *, variant=None, block_sizes=None) -> int:
+    """Bytes of the fp32 states impl="pallas" keeps from the forward for the backward, one every
+    chunk_bwd steps, (b, l / chunk_bwd, d, n): what recompute_states=True does not keep."""
+    variant = variant or backend.default_variant()
+    chunk_bwd = tiling.resolve_block_sizes(variant, block_sizes).chunk_bwd
+    return b * -(-l // chunk_bwd) * d * n * 4
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -153,6 +158,7 @@ _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
         "variant",
         "interpret",
         "block_sizes",
+        "recompute_states",
     ),
 )
 def selective_scan(
@@ -171,6 +177,7 @@ def selective_scan(
     variant=None,
     interpret=None,
     block_sizes=None,
+    recompute_states=False,
 ):
     """Mamba-1 selective scan (S6): y, or (y, final_state) if return_final_state.
 
@@ -184,9 +191,15 @@ def selective_scan(
     "reference" (sequential lax.scan over time; ignores chunk_size).
     Pallas only: variant "gpu" (Triton) or "tpu" (Mosaic), None = the backend's; interpret
     None = compiled on the variant's hardware, interpreted elsewhere, True = interpreted;
-    block_sizes a BlockSizes of tuning knobs (None = the variant's defaults).
+    block_sizes a BlockSizes of tuning knobs (None = the variant's defaults);
+    recompute_states: the backward reruns the forward kernel for the fp32 states it needs, every
+    chunk_bwd steps, instead of keeping them from the forward ((b, l / chunk_bwd, d, n) held from
+    the forward to the backward: for a model, every layer's at once) - one more forward kernel
+    for that memory. The other impls ignore it (they keep what autodiff saves).
     """
     _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size)
+    if not isinstance(recompute_states, bool):
+        raise ValueError(f"recompute_states must be a bool, got {recompute_states!r}")
     kwargs = dict(D=D, z=z, initial_state=initial_state, return_final_state=return_final_state)
     arrays = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
     if impl == "auto":
@@ -196,7 +209,9 @@ def selective_scan(
     if impl == "pallas":
         variant = variant or backend.default_variant()
         sizes = _check_pallas(arrays, variant, block_sizes)
-        y, final = _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes)
+        y, final = _pallas_scan(
+            x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute_states
+        )
         return (y, final) if return_final_state else y
     if impl == "reference":
         return selective_scan_reference(x, dt, A, B, C, **kwargs)

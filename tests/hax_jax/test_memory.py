@@ -16,12 +16,22 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import hax_jax.layers.mamba
 import hax_jax.loss
-import hax_jax.models.lm
+import hax_jax.model_config
 from hax_jax import checkpoint, sharding, training
 from hax_jax import config as config_lib
-from hax_jax.config import Config, Mamba2Config, MeshConfig, ModelConfig, SparseConfig
+from hax_jax.config import (
+    SCAN_STATES_SHARE,
+    Config,
+    Mamba2Config,
+    MambaConfig,
+    MeshConfig,
+    ModelConfig,
+    SparseConfig,
+)
 from hax_jax.models.lm import LanguageModel
+from pallas_kernels.selective_scan import saved_states_bytes
 
 # fp32: |a - b| <= ATOL + RTOL |b| for every loss, metric and gradient element. Remat recomputes the
 # same ops; chunking only reorders the head gradient's sum over positions.
@@ -158,7 +168,7 @@ def test_remat_is_in_the_gradient_only_when_on(monkeypatch):
     assert count(dataclasses.replace(CFG, remat="block")) >= CFG.n_layer
     auto = dataclasses.replace(CFG, remat="auto")
     assert count(auto) == 0  # L = 32 < REMAT_MIN_LEN
-    monkeypatch.setattr(hax_jax.models.lm, "REMAT_MIN_LEN", L)
+    monkeypatch.setattr(hax_jax.model_config, "REMAT_MIN_LEN", L)
     assert count(auto) >= CFG.n_layer
 
 
@@ -192,9 +202,73 @@ def test_a_run_resumes_across_memory_settings():
     saved = config_lib.to_dict(Config(model=CFG))
     for key in ("remat", "loss_chunk"):  # a checkpoint from before these settings existed
         del saved["model"][key]
+    del saved["model"]["mamba"]["scan_states"]
     checkpoint.check_resumable(saved, Config(model=dataclasses.replace(CFG, remat="block")), "w")
+    recomputed = dataclasses.replace(CFG, mamba=MambaConfig(scan_states="recomputed"))
+    checkpoint.check_resumable(saved, Config(model=recomputed), "w")
     with pytest.raises(ValueError, match="model.d_model: checkpoint 32 vs now 64"):
         checkpoint.check_resumable(saved, Config(model=dataclasses.replace(CFG, d_model=64)), "w")
+
+
+# ------------------------------------------------------------- Mamba-1 scan states in the backward
+
+# Two Mamba-1 layers on the Pallas selective scan (interpreted on CPU).
+MAMBA = dataclasses.replace(
+    CFG,
+    block_pattern=("mamba",),
+    mamba=MambaConfig(d_state=8, scan_impl="pallas"),
+    sparse=SparseConfig(),
+)
+
+
+def _mamba(scan_states: str, remat: str = "none") -> ModelConfig:
+    """MAMBA with mamba.scan_states and remat set."""
+    mamba = dataclasses.replace(MAMBA.mamba, scan_states=scan_states)
+    return dataclasses.replace(MAMBA, mamba=mamba, remat=remat)
+
+
+def test_recomputed_scan_states_give_the_same_loss_and_gradients():
+    """scan_states="recomputed" runs the scan's forward kernel once more per layer in the
+    backward (3 kernels a layer in the gradient, not 2) and changes no number."""
+    batch = _batch()
+
+    def kernels(cfg):
+        """Pallas kernels in the gradient's jaxpr."""
+        return list(_primitives(_grad_jaxpr(cfg, batch))).count("pallas_call")
+
+    assert kernels(_mamba("saved")) == 2 * MAMBA.n_layer
+    assert kernels(_mamba("recomputed")) == 3 * MAMBA.n_layer
+    saved = _loss_grads_eval(_mamba("saved"), batch)
+    jax.tree.map(
+        np.testing.assert_array_equal, _loss_grads_eval(_mamba("recomputed"), batch), saved
+    )
+
+
+@pytest.mark.parametrize(
+    "remat, memory, recompute",
+    [
+        ("none", None, False),  # CPU: the device tells no memory
+        ("none", "small", True),
+        ("none", "large", False),
+        ("block", "small", False),  # one block's states at a time: nothing held across layers
+    ],
+)
+def test_auto_recomputes_scan_states_past_a_share_of_the_memory(
+    monkeypatch, remat, memory, recompute
+):
+    """ "auto" recomputes when every Mamba layer's saved states (b l d_inner d_state fp32 every
+    chunk_bwd steps, per layer) would pass SCAN_STATES_SHARE of the device's memory."""
+    d_inner = MAMBA.mamba.expand * MAMBA.d_model
+    held = MAMBA.n_layer * saved_states_bytes(B, L, d_inner, MAMBA.mamba.d_state)
+    limit = {None: None, "small": held / SCAN_STATES_SHARE - 1, "large": held / SCAN_STATES_SHARE}
+    monkeypatch.setattr(hax_jax.layers.mamba, "device_memory_bytes", lambda: limit[memory])
+    monkeypatch.setattr(hax_jax.model_config, "REMAT_MIN_LEN", L)
+    kernels = list(_primitives(_grad_jaxpr(_mamba("auto", remat), _batch())))
+    if remat == "none":
+        assert kernels.count("pallas_call") == (3 if recompute else 2) * MAMBA.n_layer
+    else:  # each block's forward runs again in the backward, its states saved then
+        block = list(_primitives(_grad_jaxpr(_mamba("saved", remat), _batch())))
+        assert kernels.count("pallas_call") == block.count("pallas_call")
 
 
 # ----------------------------------------------------------------------------- chunked loss

@@ -85,6 +85,30 @@ def test_gpu_variant_matches_reference(shape, dtype, sizes, optional):
     check_against_reference(inputs, dtype, variant="gpu", interpret=True, block_sizes=sizes)
 
 
+def test_recomputed_states_are_not_kept_and_change_no_gradient():
+    """recompute_states=True: what the backward keeps from the forward (the vjp's residuals) has
+    no saved-states array, (b, l / chunk_bwd, d, n) fp32, where the default's has one; the
+    gradients equal the default's exactly (the same kernels on the same states) and the
+    reference's within tolerance. (ops.py does the recompute for either variant alike.)"""
+    inputs = selective_scan_inputs(2, 37, 20, 5, optional=SCAN_OPTIONAL)
+    sizes = BlockSizes(chunk=8, chunk_bwd=4, block_d=8)
+    kwargs = dict(variant="gpu", interpret=True, block_sizes=sizes)
+    present = {k: v for k, v in inputs.items() if v is not None}
+    kept = {}
+    for recompute in (False, True):
+        fn = functools.partial(run, impl="pallas", recompute_states=recompute, **kwargs)
+        _, vjp = jax.vjp(lambda p: fn(dict(inputs, **p)), present)  # noqa: B023
+        kept[recompute] = {leaf.shape for leaf in jax.tree.leaves(vjp) if leaf.ndim == 4}
+    assert len(kept[False]) == 1 and kept[True] == set()
+    y, h, g = outputs_and_grads(inputs, impl="pallas", recompute_states=True, **kwargs)
+    y_saved, h_saved, g_saved = outputs_and_grads(inputs, impl="pallas", **kwargs)
+    for name in g:
+        np.testing.assert_array_equal(g[name], g_saved[name], err_msg=name)
+    np.testing.assert_array_equal(y, y_saved)
+    np.testing.assert_array_equal(h, h_saved)
+    check_against_reference(inputs, jnp.float32, recompute_states=True, **kwargs)
+
+
 def test_gpu_bf16_partials_err_like_rounding_twice():
     """bf16 B / C: the gpu backward's dB / dC come from bf16 per-channel-block partials; their
     error against the exact gradient (fp32 reference on the same values) stays under twice
@@ -191,6 +215,7 @@ def test_no_state_sequence_is_materialized():
     [
         (dict(variant="cuda"), "variant must be one of"),
         (dict(block_sizes=(8,)), "block_sizes must be a BlockSizes"),
+        (dict(recompute_states="yes"), "recompute_states must be a bool, got 'yes'"),
         (dict(block_sizes=BlockSizes(block_d=24)), "block_d must be a power of two"),
         (dict(block_sizes=BlockSizes(chunk=0)), "chunk must be a positive int"),
         (dict(block_sizes=BlockSizes(chunk=8, chunk_bwd=16)), "chunk_bwd must divide chunk"),
