@@ -29,8 +29,8 @@ LOGITS_BUDGET = 4 * 2**30
 # memory. On GPUs they are fp32 every 4 steps, b l d_inner d_state bytes a layer: 130M 32 x 2048,
 # 36 GiB (H200: 90.1 GiB a step against mamba_ssm's 65.7); 1.4B 8 x 2048, 48 GiB (failed to
 # allocate 86.63 GiB where mamba_ssm ran 16 rows). Below it they stay: recomputing costs a forward
-# kernel a layer (455 us at 8 x 2048 x 1536, H100), ours 86.32 ms against mamba_ssm's 96.71 at
-# 130M 8 x 2048 (BENCHMARKS.md).
+# kernel a layer (455 us at 8 x 2048 x 1536 on an H100: about 11 ms of the 130M 8 x 2048 step, ours
+# 86.32 ms against mamba_ssm's 96.71; BENCHMARKS.md).
 SCAN_STATES_SHARE = 0.25
 
 

@@ -13,7 +13,7 @@ from hax_jax.layers import init
 from hax_jax.layers.conv import CausalConv1d, conv_shard
 from hax_jax.layers.fused import FusedLinear, Part, linear_parts
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
-from hax_jax.parallel import per_device, selective_scan_sequence_parallel
+from hax_jax.parallel import per_device, selective_scan_sequence_parallel, seq_shards
 from pallas_kernels.selective_scan import saved_states_bytes
 
 
@@ -210,7 +210,8 @@ def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers):
     states saved or recomputed as `states` says ("auto" on this shard's sizes, `layers` Mamba
     layers' states held at once)."""
     b, l, d = x.shape
-    held = layers * saved_states_bytes(b, l, d, A.shape[1])
+    scans = 1 if seq_shards() == 1 else 2  # a split sequence's shard is scanned twice
+    held = layers * scans * saved_states_bytes(b, l, d, A.shape[1])
     recompute = recomputes_scan_states(states, held)
     return selective_scan_sequence_parallel(
         x, dt, A, B, C, D, z, initial_state, impl=impl, recompute_states=recompute
