@@ -143,10 +143,12 @@ _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
 
 def saved_states_bytes(b, l, d, n, *, variant=None, block_sizes=None) -> int:
     """Bytes of the fp32 states impl="pallas" keeps from the forward for the backward, one every
-    chunk_bwd steps, (b, l / chunk_bwd, d, n): what recompute_states=True does not keep."""
+    chunk_bwd steps, (b, l / chunk_bwd, d, n) as the kernels pad l and n: what
+    recompute_states=True does not keep."""
     variant = variant or backend.default_variant()
-    chunk_bwd = tiling.resolve_block_sizes(variant, block_sizes).chunk_bwd
-    return b * -(-l // chunk_bwd) * d * n * 4
+    sizes = tiling.resolve_block_sizes(variant, block_sizes)
+    geo = tiling.geometry(variant, l, d, n, sizes.chunk, sizes.chunk_bwd, sizes.block_d)
+    return b * geo.num_saved * d * geo.n_pad * 4
 
 
 @functools.partial(

@@ -21,7 +21,7 @@ from kernel_checks import (
 )
 
 from pallas_kernels.backend import lower_for
-from pallas_kernels.selective_scan import BlockSizes, selective_scan
+from pallas_kernels.selective_scan import BlockSizes, saved_states_bytes, selective_scan
 
 jax.config.update("jax_enable_x64", False)
 
@@ -99,7 +99,10 @@ def test_recomputed_states_are_not_kept_and_change_no_gradient():
         fn = functools.partial(run, impl="pallas", recompute_states=recompute, **kwargs)
         _, vjp = jax.vjp(lambda p: fn(dict(inputs, **p)), present)  # noqa: B023
         kept[recompute] = {leaf.shape for leaf in jax.tree.leaves(vjp) if leaf.ndim == 4}
+        assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(vjp) if leaf.ndim == 4)
     assert len(kept[False]) == 1 and kept[True] == set()
+    (states,) = kept[False]
+    assert np.prod(states) * 4 == saved_states_bytes(2, 37, 20, 5, variant="gpu", block_sizes=sizes)
     y, h, g = outputs_and_grads(inputs, impl="pallas", recompute_states=True, **kwargs)
     y_saved, h_saved, g_saved = outputs_and_grads(inputs, impl="pallas", **kwargs)
     for name in g:
