@@ -245,5 +245,5 @@ if __name__ == "__main__":
     keep_custom_calls_out_of_cuda_graphs()  # before JAX starts its GPU backend
     try:
         main(sys.argv[1:])
-    except (ValueError, FileNotFoundError, FloatingPointError) as err:
-        sys.exit(f"error: {err}")
+    except (ValueError, FileNotFoundError, FloatingPointError, jax.errors.JaxRuntimeError) as err:
+        sys.exit(training.error_line(err))

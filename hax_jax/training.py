@@ -7,6 +7,7 @@ are here too; I/O, logging and the loop live in train.py.
 
 import collections
 import math
+import re
 from typing import Any
 
 import flax.struct
@@ -224,4 +225,20 @@ def state_shardings(state_shape, param_shardings: dict, tx, mesh, update_shardin
     opt = optim.opt_state_shardings(tx, state_shape.opt_state, moments, replicated)
     return TrainState(
         step=replicated, params=param_shardings, opt_state=opt, rng=replicated, healthy=replicated
+    )
+
+
+def error_line(err: Exception) -> str:
+    """train.py's one line for an error that stops it; for running out of device memory, also what
+    would fit. A runtime error of another kind is raised again, with its traceback."""
+    if not isinstance(err, jax.errors.JaxRuntimeError):
+        return f"error: {err}"
+    if "RESOURCE_EXHAUSTED" not in str(err):
+        raise err
+    found = re.search(r"Out of memory.*?(?=\.?\s*\[|\.?\s*$)", str(err), re.MULTILINE)
+    detail = found.group(0) if found else str(err).splitlines()[0]
+    return (
+        f"error: the train step does not fit the device memory ({detail}): lower "
+        "data.batch_size, recompute each block in the backward (model.remat=block), or spread "
+        "it over more devices (mesh.data with mesh.fsdp=true, mesh.tensor, mesh.seq)"
     )

@@ -422,3 +422,22 @@ def test_sharded_optimizer_trains_as_one_device(tmp_path):
     # Each device updates its slice, and the new parameters are gathered whole. (XLA's CPU backend
     # all-reduces the gradients and slices them; on GPUs the same pattern reduce-scatters.)
     assert ("all-gather", embedding.shape) in arrays(collectives_of(hlo))
+
+
+def test_error_line_names_the_value_and_what_would_fit_in_memory():
+    """train.py's one error line: the message of bad input; for XLA running out of device memory,
+    the allocation and the settings that would fit; another runtime error keeps its traceback."""
+    assert training.error_line(ValueError("data.batch_size=3")) == "error: data.batch_size=3"
+    oom = jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 86.63GiB with allocator "
+        "GPU_0_bfc on device 0. [tf-allocator-allocation-error=''] [executable_name='jit_step']"
+    )
+    line = training.error_line(oom)
+    assert line.startswith("error: the train step does not fit the device memory (Out of memory")
+    assert "allocate 86.63GiB with allocator GPU_0_bfc on device 0)" in line
+    for setting in ("data.batch_size", "model.remat=block", "mesh.fsdp=true", "mesh.seq"):
+        assert setting in line
+    assert "\n" not in line and "tf-allocator" not in line
+    other = jax.errors.JaxRuntimeError("INTERNAL: a kernel failed")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        training.error_line(other)
