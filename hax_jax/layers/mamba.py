@@ -228,5 +228,7 @@ def recomputes_scan_states(setting: str, held_bytes: int) -> bool:
 
 
 def device_memory_bytes() -> int | None:
-    """What jax may allocate on one of this process's devices, or None where unknown."""
+    """What jax may allocate on one of this process's devices, or None where unknown. Every process
+    of a multi-process run must compile the same step: on alike devices with alike
+    XLA_PYTHON_CLIENT_MEM_FRACTION they read the same limit."""
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")

@@ -212,9 +212,10 @@ def test_a_run_resumes_across_memory_settings():
 
 # ------------------------------------------------------------- Mamba-1 scan states in the backward
 
-# Two Mamba-1 layers on the Pallas selective scan (interpreted on CPU).
+# One Mamba-1 layer on the Pallas selective scan (interpreted on CPU).
 MAMBA = dataclasses.replace(
     CFG,
+    n_layer=1,
     block_pattern=("mamba",),
     mamba=MambaConfig(d_state=8, scan_impl="pallas"),
     sparse=SparseConfig(),
