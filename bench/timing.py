@@ -160,6 +160,32 @@ def timeline_us(data, reps, gaps=0):
     return result
 
 
+def print_step_profile(name: str, one_step, top: int, reps: int = 3) -> None:
+    """Profiles `reps` calls of one_step() (a train step) and prints each GPU's timeline (compute,
+    NCCL, exposed NCCL, idle; the longest idle gaps), then the `top` costliest kernels of the
+    GPU that computes longest: the one the others wait for (theirs share the GPU with NCCL
+    kernels waiting for it)."""
+    data = trace(one_step, reps=reps)
+    timelines = timeline_us(data, reps=reps, gaps=8)
+    for plane, timeline in timelines.items():
+        listed = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in timeline["parts"].items())
+        where = plane.removeprefix("/device:")
+        print(f"timeline of {name} on {where}, ms a step: {listed}")
+        for kernel, us in timeline["exposed"].items():
+            print(f"  {us / 1e3:8.3f} ms exposed  {kernel}")
+        for kernel, us in timeline["beside_nccl"].items():
+            print(f"  {us / 1e3:8.3f} ms beside NCCL  {kernel[:80]}")
+        for us, before, after in timeline["gaps"]:
+            print(f"  {us / 1e3:8.3f} ms idle  after {before}  before {after}")
+    if timelines:
+        busiest = max(timelines, key=lambda p: timelines[p]["parts"]["compute"])
+        times = kernel_times_of(data, reps=reps, plane_prefix=busiest)
+        where = busiest.removeprefix("/device:")
+        print(f"{where} kernels of {name}: {sum(times.values()) / 1e3:.2f} ms per step")
+        for kernel, us in list(times.items())[:top]:
+            print(f"  {us / 1e3:8.3f} ms  {kernel[:100]}")
+
+
 def _longest_gaps(events, count):
     """The `count` longest stretches with no kernel running, in microseconds, each with the
     kernels that end before and start after it: [(us, before, after)]."""

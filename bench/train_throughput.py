@@ -150,27 +150,7 @@ def measure(
                 held[0], step_metrics = trainer.step_fn(held[0], batch)
                 return step_metrics
 
-            data = timing.trace(one_step, reps=3)
-            timelines = timing.timeline_us(data, reps=3, gaps=8)
-            for plane, timeline in timelines.items():
-                listed = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in timeline["parts"].items())
-                where = plane.removeprefix("/device:")
-                print(f"timeline of {name} on {where}, ms a step: {listed}")
-                for kernel, us in timeline["exposed"].items():
-                    print(f"  {us / 1e3:8.3f} ms exposed  {kernel}")
-                for kernel, us in timeline["beside_nccl"].items():
-                    print(f"  {us / 1e3:8.3f} ms beside NCCL  {kernel[:80]}")
-                for us, before, after in timeline["gaps"]:
-                    print(f"  {us / 1e3:8.3f} ms idle  after {before}  before {after}")
-            # The kernels of the GPU that computes longest: the one the others wait for (theirs
-            # share the GPU with NCCL kernels waiting for it).
-            if timelines:
-                busiest = max(timelines, key=lambda p: timelines[p]["parts"]["compute"])
-                times = timing.kernel_times_of(data, reps=3, plane_prefix=busiest)
-                where = busiest.removeprefix("/device:")
-                print(f"{where} kernels of {name}: {sum(times.values()) / 1e3:.2f} ms per step")
-                for kernel, us in list(times.items())[:profile]:
-                    print(f"  {us / 1e3:8.3f} ms  {kernel[:100]}")
+            timing.print_step_profile(name, one_step, profile)
         peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat)
     result = {
         "case": name,

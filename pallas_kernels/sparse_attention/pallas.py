@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import kernel
+from . import launch
 from .reference import running_buckets
 from .spec import selected
 from .tiling import EMPTY_POS, KsLayout, LshLayout, Schedule, ks_layout, lsh_layout, tile_schedule
@@ -150,12 +150,12 @@ def forward(q, k, v, lay, *, kc, cfg):
     if lay.lsh is not None:
         lsh = lay.lsh
         q_s, k_s = _rows(qp, lsh.query_perm), _rows(kp, lsh.key_perm)
-        init = kernel.lsh_forward(
+        init = launch.lsh_forward(
             q_s, k_s, vp, lsh.lo[..., None], lsh.hi[..., None], lsh, lay.schedule, cfg=cfg
         )
     if lay.ks is not None:
         args = _ks_args(kp, vp, lay, kc)
-        o, lse = kernel.ks_forward(qp, kp, vp, args, init, out_dtype=F32, cfg=cfg)
+        o, lse = launch.ks_forward(qp, kp, vp, args, init, out_dtype=F32, cfg=cfg)
     else:
         o, lse = init
     return o[:, :l, : v.shape[2]], lse
@@ -198,7 +198,7 @@ def backward(q, k, v, lay, o, lse, do, *, kc, cfg):
     if lay.lsh is not None:
         lsh = lay.lsh
         qperm, kperm = lsh.query_perm, lsh.key_perm
-        dq_parts, dk_parts, dv_lsh = kernel.lsh_backward(
+        dq_parts, dk_parts, dv_lsh = launch.lsh_backward(
             _rows(qp, qperm),
             _rows(kp, kperm),
             vp,
@@ -220,7 +220,7 @@ def backward(q, k, v, lay, o, lse, do, *, kc, cfg):
     if lay.ks is not None:
         # After lsh, the ks kernel adds its own keys' dv into lsh's in place.
         dv_in = dv if lay.lsh is not None else None
-        dq_ks, dk_own, dv_ks, dk_pre, dv_pre = kernel.ks_backward(
+        dq_ks, dk_own, dv_ks, dk_pre, dv_pre = launch.ks_backward(
             qp, kp, vp, _ks_args(kp, vp, lay, kc), lse, delta, do_p, cfg=cfg, dv_in=dv_in
         )
         pos = jnp.pad(

@@ -37,7 +37,7 @@ LOG = """timeline of case on GPU:0, ms a step: span 4.00, compute 4.00, idle 0.0
      0.100 ms idle  after a  before b
      2.500 ms  loop_multiply_fusion_1
      1.000 ms  loop_add_fusion_2
-     0.500 ms  _lsh_fwd_kernel
+     0.500 ms  lsh_fwd_kernel
 """
 
 
@@ -52,7 +52,7 @@ def test_kernels_go_to_our_innermost_line_or_their_primitive(step):
     assert attribution.by_source(*step) == {
         "hax_jax/layers/conv.py:108:causal_conv1d": 2.5,
         "op:add": 1.0,
-        "kernel:_lsh_fwd_kernel": 0.5,
+        "kernel:lsh_fwd_kernel": 0.5,
     }
 
 
