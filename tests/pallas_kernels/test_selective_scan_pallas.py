@@ -242,9 +242,12 @@ def test_float64_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_compiled_gpu_kernels_match_reference(dtype, monkeypatch):
-    """The compiled Triton kernels at (b2, l1024, d512, n16): values and gradients."""
+@pytest.mark.parametrize(
+    "dtype, recompute", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)]
+)
+def test_compiled_gpu_kernels_match_reference(dtype, recompute, monkeypatch):
+    """The compiled Triton kernels at (b2, l1024, d512, n16): values and gradients, also with the
+    backward's states recomputed."""
     monkeypatch.setitem(COMPILED, "on", True)
     inputs = selective_scan_inputs(2, 1024, 512, 16, seed=3, dtype=dtype)
-    check_against_reference(inputs, dtype, variant="gpu")
+    check_against_reference(inputs, dtype, variant="gpu", recompute_states=recompute)
