@@ -286,7 +286,11 @@ def _ssd_pallas_shard_fwd(arrays, statics):
     keep_b1 = keep_in.astype(jnp.float32)[:, None, None, None]
     # The whole shard's decay: zero across a change of document, or where none enters.
     decay = jnp.prod(prep.decay, axis=-1)[..., None, None] * keep_b1
-    entering, last = forward(decay, pallas.zero_start_final(prep, S), initial_state)
+    # The barrier keeps the sum over chunks a reduction of its own: fused into the exchange's
+    # concatenate, XLA:GPU emitted it as a slow loop over the chunk states (2.4 ms a step of
+    # HAX 64K on seq=2, H200).
+    final = jax.lax.optimization_barrier(pallas.zero_start_final(prep, S))
+    entering, last = forward(decay, final, initial_state)
     y, _, h_in = pallas.forward_from_states(prep, S, entering * keep_b1, interpret)
     return (y, last.astype(jnp.float32)), (arrays, decay, h_in)
 
