@@ -8,9 +8,10 @@ the specs agree with the activations' constraints): batch over "data", channels 
 
 A sequence-aware op runs on its shard as on one device and passes what the recurrence carries
 (Mamba-2 paper §8.2): each shard's state from a zero start and its total decay are combined by an
-exclusive prefix over "seq" (one small all-gather: `incoming_states`), and each shard then scans
-from its incoming state. The conv takes a halo of its width - 1 inputs from the previous shard
-(`from_previous_shard`). Only states and halos travel; no activation is gathered over "seq".
+exclusive prefix over "seq" (`incoming_states`: one small all-gather, or on two shards one
+collective-permute to the second), and each shard then scans from its incoming state. The conv
+takes a halo of its width - 1 inputs from the previous shard (`from_previous_shard`). Only states
+and halos travel; no activation is gathered over "seq".
 """
 
 import functools
@@ -176,6 +177,20 @@ def from_previous_shard(tail: jax.Array, first: jax.Array) -> jax.Array:
     return jnp.where(jax.lax.axis_index(SEQ) == 0, first, moved)
 
 
+def from_earlier_shards(x: jax.Array, axis: int) -> jax.Array:
+    """Every shard's x side by side along `axis` (shard s's block at s * x.shape[axis]), as
+    `all_gather(tiled=True)` lays them out, for readers of the earlier shards' blocks alone.
+
+    On two shards one collective-permute brings the first shard's x to the second, where the
+    result equals the all-gather's; on the first the block before its own is zeros and nothing
+    is earlier. Only the second shard waits (an all-gather makes both wait for the slower), and
+    the transpose is one collective-permute back instead of a reduce-scatter."""
+    if seq_shards() == 2:
+        moved = received(jax.lax.ppermute(x, SEQ, [(0, 1)]))
+        return jnp.concatenate([moved, x], axis=axis)
+    return received(jax.lax.all_gather(x, SEQ, axis=axis, tiled=True))
+
+
 def from_last_shard(x: jax.Array) -> jax.Array:
     """The last shard's x, on every shard (a state after the whole sequence)."""
     shards = seq_shards()
@@ -193,11 +208,22 @@ def incoming_states(
     Each shard's effect on the state is the affine map h -> decay * h + final (its total decay,
     broadcast against its final state from a zero start); the state entering shard s composes
     the maps of shards 0..s-1 onto `initial` (zeros if None). One all-gather of the pairs over
-    "seq", then S cheap elementwise steps on every shard."""
+    "seq", then S cheap elementwise steps on every shard; on two shards one collective-permute
+    of the first shard's pair, which only the second waits for (the state after the last shard
+    then comes by a psum, which XLA drops where nothing reads it)."""
     h = jnp.zeros_like(final) if initial is None else initial.astype(final.dtype)
     shards = seq_shards()
     if shards == 1:
         return h, decay * h + final
+    if shards == 2:
+        decay = decay.astype(final.dtype)
+        packed = jnp.concatenate([decay.reshape(-1), final.reshape(-1)])
+        moved = from_previous_shard(packed, jnp.zeros_like(packed))
+        decay_0 = moved[: decay.size].reshape(decay.shape)
+        entering = jnp.where(
+            jax.lax.axis_index(SEQ) == 0, h, decay_0 * h + moved[decay.size :].reshape(final.shape)
+        )
+        return entering, from_last_shard(decay * entering + final)
     # One all-gather of both (flattened side by side): one collective per scan, not two.
     packed = jnp.concatenate([decay.astype(final.dtype).reshape(-1), final.reshape(-1)])
     packed = received(jax.lax.all_gather(packed, SEQ))
@@ -217,12 +243,18 @@ def incoming_state_grads(
     shard's gradient of its entering state through its own outputs (`d_entering`) and the
     gradient of the state after the last shard (`d_last`, summed over the shards; None: zero).
     The state after shard s enters shard s + 1, so its gradient runs backwards over the shards,
-    g_s = d_entering_{s+1} + decay_{s+1} g_{s+1}: one all-gather of the pairs. d initial is the
-    first shard's (zeros on the others, so a sum over shards counts it once)."""
+    g_s = d_entering_{s+1} + decay_{s+1} g_{s+1}: one all-gather of the pairs (on two shards
+    without d_last, one collective-permute of the second shard's d_entering to the first). d
+    initial is the first shard's (zeros on the others, so a sum over shards counts it once)."""
     shards = seq_shards()
     if shards == 1:
         d_last = jnp.zeros_like(d_entering) if d_last is None else d_last
         return d_last, d_entering + decay * d_last
+    here = jax.lax.axis_index(SEQ)
+    if shards == 2 and d_last is None:
+        g = received(jax.lax.ppermute(d_entering, SEQ, [(1, 0)]))  # zeros on the second
+        d_initial = d_entering + decay.astype(d_entering.dtype) * g
+        return g, jnp.where(here == 0, d_initial, jnp.zeros_like(d_initial))
     parts = [decay.astype(d_entering.dtype), d_entering]
     if d_last is not None:  # None: a zero gradient, nothing to send for it
         parts.append(d_last.astype(d_entering.dtype))
@@ -239,7 +271,6 @@ def incoming_state_grads(
     for s in reversed(range(shards)):
         leaving.append(g)
         g = d_enterings[s] + decays[s] * g
-    here = jax.lax.axis_index(SEQ)
     d_initial = jnp.where(here == 0, g, jnp.zeros_like(g))
     return jnp.stack(leaving[::-1])[here], d_initial
 
@@ -257,7 +288,7 @@ def ssd_sequence_parallel(
     With the Pallas kernels (`ssd_shard`) the zero-start state is summed from the kernels' own
     chunk states, and the exchange and its transpose (`incoming_state_grads`) run inside their
     custom VJP; a rematerialised block's recompute reruns that forward exchange (one small
-    all-gather), since no remat policy reaches into a custom VJP. Otherwise (the portable
+    collective), since no remat policy reaches into a custom VJP. Otherwise (the portable
     chunked path) the zero-start state is one matmul over the shard's positions
     (`_state_from_zero`) and autodiff transposes the exchange. A document that starts at the
     shard's first position (`seq_idx`) takes no incoming state."""
@@ -375,7 +406,7 @@ def check_sequence_split(row_length: int, seq: int, mixer_kinds, chunk_size: int
 
 def sequence_cumsum(x: jax.Array) -> jax.Array:
     """jnp.cumsum(x, axis=1) in fp32 for x (b, l, f) whose positions may be split over "seq":
-    each shard adds the sums of the shards before it (one small all-gather), so no shard reads
+    each shard adds the sums of the shards before it (`incoming_states`), so no shard reads
     another's positions."""
     return per_device(
         _cumsum_shard,
@@ -402,10 +433,10 @@ def sparse_attention_sequence_parallel(
     One device (or an unsplit "seq"): the op itself. A split sequence: every shard publishes the
     keys later queries may select from it (`carry.summarise`: per LSH bucket the kc most recent,
     the kc best-scored, the last / first kc, the kc most recent dilated: the decode cache's
-    contents), the summaries are all-gathered over "seq", and each shard's queries merge the
-    earlier shards' into their own candidates: with the Pallas kernels by running them over the
-    carried keys put in front of the shard's (`carry_pallas.attend`), else by gathering each
-    query's candidates (`carry.attend_with_carry`). LSH centring uses
+    contents), the summaries are all-gathered over "seq" (`from_earlier_shards`), and each
+    shard's queries merge the earlier shards' into their own candidates: with the Pallas kernels
+    by running them over the carried keys put in front of the shard's (`carry_pallas.attend`),
+    else by gathering each query's candidates (`carry.attend_with_carry`). LSH centring uses
     the earlier shards' sums of q and k. "full" all-gathers K and V (the quadratic ceiling)."""
     shards = seq_shards()
     if shards == 1:
@@ -430,14 +461,12 @@ def sparse_attention_sequence_parallel(
         q_sum_in, k_sum_in = jnp.split(incoming_states(jnp.ones(()), sums)[0], 2, axis=-1)
         bucket_k = carry.buckets_after(k, k_sum_in, offset, hash_proj, spec.binning)
     summary = carry.summarise(k, v, key_scores, bucket_k, offset, spec)
-    # Keys and values travel as one array (one all-gather, one reduce-scatter back), positions
+    # Keys and values travel as one array (one collective there and one back), positions
     # and buckets as another.
     n = k.shape[-1]
     kv = jnp.concatenate([summary.k, summary.v.astype(summary.k.dtype)], axis=-1)
     ints = jnp.stack([summary.pos] + ([] if bucket_k is None else [summary.bucket]), axis=-1)
-    ints, score, kv = (
-        received(jax.lax.all_gather(x, SEQ, axis=1, tiled=True)) for x in (ints, summary.score, kv)
-    )
+    ints, score, kv = (from_earlier_shards(x, axis=1) for x in (ints, summary.score, kv))
     gathered = carry.Summary(
         ints[..., 0],
         kv[..., :n],
