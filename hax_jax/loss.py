@@ -3,6 +3,8 @@
 At 1 x 1M tokens and a 50288 vocab the fp32 logits alone are 211 GB. `token_nll_chunked` computes
 them for a chunk of positions at a time in a scan under `jax.checkpoint`, so the forward holds one
 chunk's logits and the backward recomputes them chunk by chunk; `token_nll` is its whole-row twin.
+Training's loss takes `weighted_nll` instead: the same chunks, with the head's gradients taken in
+the forward, so the backward neither keeps nor recomputes any logits.
 """
 
 import functools
@@ -74,16 +76,7 @@ def token_nll_chunked(
     """
     if n_chunks == 1:
         return token_nll(shard(head(h), "batch", "seq", "vocab"), labels)
-    b, l, d = h.shape
-    m = -(-l // n_chunks)  # positions per row in a chunk
-    pad = n_chunks * m - l  # padded positions give finite losses that are cut off below
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    labels = jnp.pad(labels, ((0, 0), (0, pad)))
-    # Chunk j holds positions i * n_chunks + j (i < m). Position i stays the major axis, so a
-    # sequence split over "seq" stays split (each device scans its own positions); contiguous chunks
-    # would each live on one device and GSPMD would gather the rows.
-    h_cbmd = shard(jnp.moveaxis(h.reshape(b, m, n_chunks, d), 2, 0), None, "batch", "seq", "embed")
-    labels_cbm = jnp.moveaxis(labels.reshape(b, m, n_chunks), 2, 0)
+    h_cbmd, (labels_cbm,) = _to_chunks(h, (labels,), n_chunks)
 
     # Under checkpoint the scan saves only each chunk's inputs; the backward recomputes the chunk's
     # logits rather than keeping all of them (prevent_cse is not needed inside a scan).
@@ -95,9 +88,100 @@ def token_nll_chunked(
         return token_nll(shard(logits, "batch", "seq", "vocab"), labels_bm)
 
     nll_cbm, pred_cbm = jax.lax.map(one_chunk, (h_cbmd, labels_cbm))
+    l = h.shape[1]
+    return _from_chunks(nll_cbm, l), _from_chunks(pred_cbm, l)
 
-    def unchunk(x_cbm: jax.Array) -> jax.Array:
-        """(c, b, m) per chunk -> (b, l) per position."""
-        return jnp.moveaxis(x_cbm, 0, 2).reshape(b, n_chunks * m)[:, :l]
 
-    return unchunk(nll_cbm), unchunk(pred_cbm)
+def _to_chunks(h: jax.Array, per_position: tuple[jax.Array, ...], n_chunks: int):
+    """h (b, l, d) -> (c, b, m, d) and each (b, l) array -> (c, b, m): chunk j holds positions
+    i * n_chunks + j (i < m), the rows padded to n_chunks * m positions (padded positions give
+    finite losses that are cut off or weighed 0). Position i stays the major axis, so a sequence
+    split over "seq" stays split (each device scans its own positions); contiguous chunks would
+    each live on one device and GSPMD would gather the rows."""
+    b, l, d = h.shape
+    m = -(-l // n_chunks)  # positions per row in a chunk
+    pad = n_chunks * m - l
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    h_cbmd = shard(jnp.moveaxis(h.reshape(b, m, n_chunks, d), 2, 0), None, "batch", "seq", "embed")
+    chunked = tuple(
+        jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad))).reshape(b, m, n_chunks), 2, 0)
+        for x in per_position
+    )
+    return h_cbmd, chunked
+
+
+def _from_chunks(x_cbm: jax.Array, l: int) -> jax.Array:
+    """(c, b, m, ...) per chunk -> (b, l, ...) per position (`_to_chunks`' inverse)."""
+    c, b, m = x_cbm.shape[:3]
+    return jnp.moveaxis(x_cbm, 0, 2).reshape(b, c * m, *x_cbm.shape[3:])[:, :l]
+
+
+def weighted_nll(
+    h: jax.Array,
+    labels: jax.Array,
+    weights: jax.Array,
+    head: Callable,
+    head_params,
+    n_chunks: int,
+) -> tuple[jax.Array, jax.Array]:
+    """(sum over positions of weights x cross-entropy, argmax (b, l)) of the logits
+    `head(head_params, h)`, `n_chunks` chunks of positions at a time (as `token_nll_chunked`),
+    differentiable in h and head_params (weights and labels carry no gradient).
+
+    The cross-entropy's gradient in its logits is known as soon as they are: weights x (softmax -
+    one-hot). So each chunk's forward goes on through the head's VJP at once and keeps only the
+    gradients, (b, l, d) for h and one sum for the head's parameters, which the backward scales by
+    the loss's cotangent: no logits are kept for the backward (as autodiff of whole rows keeps
+    them) nor recomputed in it (as `token_nll_chunked`'s checkpointed chunks are). The same
+    matmuls as autodiff's, in the forward.
+
+    Args:
+      h: (b, l, d) final hidden states (LanguageModel.hidden).
+      labels: (b, l) int targets.
+      weights: (b, l) each position's weight in the sum (e.g. loss_mask / its count).
+      head: (head_params, (b, m, d)) -> (b, m, v) fp32 logits (LanguageModel.head_function).
+      head_params: the head's parameters (a pytree of arrays).
+      n_chunks: chunks per row (chunk_count).
+    """
+    return _weighted_nll(head, n_chunks, h, labels, weights, head_params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _weighted_nll(head, n_chunks, h, labels, weights, head_params):
+    return _weighted_nll_fwd(head, n_chunks, h, labels, weights, head_params)[0]
+
+
+def _weighted_nll_fwd(head, n_chunks, h, labels, weights, head_params):
+    l = h.shape[1]
+    h_cbmd, (labels_cbm, weights_cbm) = _to_chunks(h, (labels, weights), n_chunks)
+
+    def one_chunk(d_params, args):
+        """Adds the chunk's head-parameter gradient; (weighted sum, argmax, h's gradient)."""
+        h_bmd, labels_bm, weights_bm = args
+        logits, pull = jax.vjp(
+            lambda p, x: head(p, shard(x, "batch", "seq", "embed")), head_params, h_bmd
+        )
+        logits = shard(logits, "batch", "seq", "vocab")
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels_bm)
+        one_hot = jax.nn.one_hot(labels_bm, logits.shape[-1], dtype=logits.dtype)
+        d_logits = weights_bm[..., None] * (jax.nn.softmax(logits) - one_hot)
+        d_params_chunk, d_h = pull(d_logits)
+        d_params = jax.tree.map(jnp.add, d_params, d_params_chunk)
+        return d_params, (jnp.sum(weights_bm * nll), jnp.argmax(logits, -1), d_h)
+
+    zeros = jax.tree.map(jnp.zeros_like, head_params)
+    d_params, (sums, pred_cbm, d_h_cbmd) = jax.lax.scan(
+        one_chunk, zeros, (h_cbmd, labels_cbm, weights_cbm)
+    )
+    outputs = (jnp.sum(sums), _from_chunks(pred_cbm, l))
+    return outputs, (_from_chunks(d_h_cbmd, l), d_params)
+
+
+def _weighted_nll_bwd(head, n_chunks, residuals, cotangents):
+    d_h, d_params = residuals
+    g = cotangents[0]  # the argmax's (integer) cotangent is empty
+    scale = lambda x: (g * x).astype(x.dtype)  # noqa: E731
+    return scale(d_h), None, None, jax.tree.map(scale, d_params)
+
+
+_weighted_nll.defvjp(_weighted_nll_fwd, _weighted_nll_bwd)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from hax_jax import checkpoint, optim, sharding
 from hax_jax import config as config_lib
-from hax_jax.loss import chunk_count, token_nll_chunked
+from hax_jax.loss import chunk_count, token_nll_chunked, weighted_nll
 from hax_jax.models.lm import LanguageModel, rank_loss_sum
 
 
@@ -54,21 +54,36 @@ def per_sample_accuracy(predictions: jax.Array, batch: dict) -> tuple[jax.Array,
     return hits.sum(-1) / jnp.maximum(counts, 1), counts > 0
 
 
-def token_stats(model: LanguageModel, batch: dict, rng=None) -> tuple[jax.Array, jax.Array]:
-    """(cross-entropy, argmax) at every position (b, l), the logits a chunk at a time (loss.py)."""
+def _hidden(model: LanguageModel, batch: dict, rng=None) -> jax.Array:
+    """The final hidden states (b, l, d) of the batch's inputs."""
     h, _ = model.hidden(
         batch["inputs"], seq_idx=batch.get("seq_idx"), mask=batch["real"].astype(bool), rng=rng
     )
+    return h
+
+
+def token_stats(model: LanguageModel, batch: dict, rng=None) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy, argmax) at every position (b, l), the logits a chunk at a time (loss.py)."""
+    h = _hidden(model, batch, rng)
     n_chunks = chunk_count((*h.shape[:2], model.cfg.padded_vocab_size), model.cfg.loss_chunk)
     return token_nll_chunked(h, batch["labels"], model.head, n_chunks)
 
 
 def loss_fn(params: dict, graphdef, batch: dict, rng: jax.Array, rank_loss_weight: float):
-    """Task loss (mean NLL over loss_mask positions) + alpha * the layers' ranking losses."""
+    """Task loss (mean NLL over loss_mask positions) + alpha * the layers' ranking losses.
+
+    The NLL by `weighted_nll`: the head's gradient taken with its logits, a chunk at a time."""
     model = nnx.merge(graphdef, params)
-    (nll, predictions), sown = nnx.capture(token_stats, nnx.Intermediate)(model, batch, rng)
+    h, sown = nnx.capture(_hidden, nnx.Intermediate)(model, batch, rng)
     mask = batch["loss_mask"].astype(jnp.float32)
-    task = jnp.sum(nll * mask) / jnp.maximum(mask.sum(), 1.0)
+    n_chunks = chunk_count((*h.shape[:2], model.cfg.padded_vocab_size), model.cfg.loss_chunk)
+    task, predictions = weighted_nll(
+        h,
+        batch["labels"],
+        mask / jnp.maximum(mask.sum(), 1.0),
+        *model.head_function(),
+        n_chunks,
+    )
     rank = rank_loss_sum(sown)
     accuracy, has = per_sample_accuracy(predictions, batch)
     metrics = {

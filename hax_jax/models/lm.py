@@ -1,5 +1,7 @@
 """The language model: embeddings -> residual blocks -> final RMSNorm -> tied or separate head."""
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,8 +120,22 @@ class LanguageModel(nnx.Module):
 
     def head(self, h: jax.Array) -> jax.Array:
         """Final hidden states (..., d) from `hidden` -> logits (..., padded_vocab_size) in fp32."""
-        logits = self.embedding.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits.astype(jnp.float32)
+        fn, params = self.head_function()
+        return fn(params, h)
+
+    def head_function(self) -> tuple[Callable, dict]:
+        """(fn, params): `head` as a pure function fn(params, h) of its parameters (the
+        embedding's when tied), for a loss that takes their gradient itself
+        (`hax_jax.loss.weighted_nll`)."""
+        tied = self.lm_head is None
+        # Anything beside the parameters (nnx.capture's slot for sown values) stays as it is.
+        graphdef, state, rest = nnx.split(self.embedding if tied else self.lm_head, nnx.Param, ...)
+
+        def fn(params: dict, h: jax.Array) -> jax.Array:
+            module = nnx.merge(graphdef, params, rest)
+            return (module.attend(h) if tied else module(h)).astype(jnp.float32)
+
+        return fn, nnx.to_pure_dict(state)
 
     def step(self, tokens: jax.Array, cache: tuple):
         """Recurrent mode, one token per row: tokens (b,) -> (logits (b, V), cache)."""

@@ -296,6 +296,31 @@ def test_whole_rows_keep_the_logits_over_the_padded_vocab(plain):
     _assert_same(sums["hits"], hits.sum())
 
 
+@pytest.mark.parametrize("loss_chunk", [L, 8])
+def test_loss_gradients_equal_autodiff_of_the_logits(plain, loss_chunk):
+    """training.loss_fn (its NLL by loss.weighted_nll, the head's gradient taken in the forward)
+    against its twin: autodiff of optax over model(...)'s whole-row logits, the ranking losses
+    added."""
+    batch = _batch()
+    graphdef, params = _params(CFG)
+    mask = batch["loss_mask"].astype(jnp.float32)
+
+    def twin(params):
+        logits, sown = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(
+            batch["inputs"], mask=batch["real"], rng=jax.random.key(5)
+        )
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return jnp.sum(nll * mask) / mask.sum() + ALPHA * training.rank_loss_sum(sown)
+
+    want = jax.jit(jax.value_and_grad(twin))(params)
+    loss, _, grads, _ = (
+        plain
+        if loss_chunk == L
+        else _loss_grads_eval(dataclasses.replace(CFG, loss_chunk=8), batch)
+    )
+    _assert_same((loss, grads), want)
+
+
 def test_chunk_count(monkeypatch):
     assert hax_jax.loss.chunk_count((2, 32, 64), 0) == 1  # auto, far under the budget
     assert [hax_jax.loss.chunk_count((2, 32, 64), c) for c in (32, 40, 8, 6, 1)] == [1, 1, 4, 6, 32]
