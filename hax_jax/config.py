@@ -145,10 +145,10 @@ class MeshConfig:
     data: int = -1  # batch sharding
     seq: int = 1  # sequence sharding of activations
     tensor: int = 1  # d_inner / heads / vocab sharding
-    fsdp: bool = False  # also shard parameters' d_model axis over "data" (FSDP as a rule change)
+    fsdp: bool = False  # also shard parameters' d_model over "data" and "seq" (a rule change)
     # Split the AdamW moments and the update over "data" and "seq" (d_model, as FSDP splits
     # parameters), keeping the parameters whole (ZeRO-1): each device updates its slice of the
-    # gradients, the new parameters are gathered. fsdp implies it over "data".
+    # gradients, the new parameters are gathered. fsdp implies it.
     shard_optimizer: bool = False
     # XLA:GPU's joining of all-reduces (the gradients' reductions over "data" and "seq") into
     # fewer, larger ones. Joined without limit across many blocks, XLA holds every block's

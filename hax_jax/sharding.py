@@ -3,7 +3,8 @@ constraints.
 
 Parameters carry a `logical_axes` metadata tuple (one logical name or None per axis), set where they
 are built (`kernel_metadata={"logical_axes": ...}` on nnx.Linear, `logical_axes=...` on a raw
-nnx.Param). The rules map logical names to mesh axes; FSDP is a rule change ("embed" -> "data").
+nnx.Param). The rules map logical names to mesh axes; FSDP is a rule change ("embed" -> "data",
+"seq").
 Activations are constrained with `shard(x, "batch", "seq", "embed")` at block boundaries only; GSPMD
 propagates the rest. `shard` reads the mesh set by `jax.set_mesh(mesh)` (the abstract mesh, also
 visible inside `jax.jit`) and does nothing when none is set, so single-device use is unchanged.
@@ -28,7 +29,7 @@ MESH_AXES = ("data", "seq", "tensor")
 RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "data"),  # activations: the batch
     ("seq", "seq"),  # activations: the sequence
-    ("embed", None),  # d_model (FSDP: "data")
+    ("embed", None),  # d_model (FSDP: "data" and "seq")
     ("inner", "tensor"),  # Mamba d_inner (and fused projections built from it)
     ("heads", "tensor"),  # attention / Mamba-2 heads (flattened heads x head_dim too)
     ("groups", "tensor"),  # Mamba-2 B / C groups (one group: replicated, every head reads it)
@@ -36,7 +37,9 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", "tensor"),  # embedding rows / logits
     ("state", None),  # d_state, dt rank, conv taps, scorer widths: small, replicated
 )
-FSDP_RULES = tuple((name, "data" if name == "embed" else axis) for name, axis in RULES)
+# FSDP: parameters' d_model over "data" and "seq" (each device of either holds a whole replica
+# otherwise), so on a split sequence the parameters and their AdamW state shrink with the shards.
+FSDP_RULES = tuple((name, ("data", "seq") if name == "embed" else axis) for name, axis in RULES)
 # mesh.shard_optimizer: the AdamW moments and the update split d_model over every axis the
 # gradients are summed over ("data" and "seq": each device of either holds a whole replica).
 OPTIMIZER_RULES = tuple(
@@ -48,7 +51,7 @@ Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 def rules(fsdp: bool = False) -> tuple[tuple[str, str | None], ...]:
     """The rules table; with `fsdp`, parameters' d_model axis ("embed") is also split over
-    "data"."""
+    "data" and "seq"."""
     return FSDP_RULES if fsdp else RULES
 
 

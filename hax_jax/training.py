@@ -180,7 +180,7 @@ def param_and_update_shardings(abstract_params, mesh, mesh_cfg) -> tuple[dict, d
     """(the parameters' shardings, the optimizer update's or None where they are the same) as pure
     dicts, each checked to split what it is asked to. Under mesh.shard_optimizer without FSDP the
     update splits the parameters' d_model axis ("embed") over "data" and "seq" (OPTIMIZER_RULES),
-    as FSDP splits parameters over "data"."""
+    as FSDP splits parameters."""
     params = _checked_shardings(abstract_params, mesh, sharding.rules(fsdp=mesh_cfg.fsdp))
     if mesh_cfg.fsdp or not mesh_cfg.shard_optimizer:
         return params, None
@@ -255,5 +255,5 @@ def error_line(err: Exception) -> str:
     return (
         f"error: the train step does not fit the device memory ({detail}): lower "
         "data.batch_size, recompute each block in the backward (model.remat=block), or spread "
-        "it over more devices (mesh.data with mesh.fsdp=true, mesh.tensor, mesh.seq)"
+        "it over more devices (mesh.data or mesh.seq with mesh.fsdp=true, mesh.tensor)"
     )

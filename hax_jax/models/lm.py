@@ -149,7 +149,12 @@ class LanguageModel(nnx.Module):
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings, in the residual dtype."""
-        x = self.embedding(tokens)
+        # The table whole along d_model at the lookup: FSDP splits it over "data" and "seq", and
+        # GSPMD would replicate a table split along its rows' width before gathering rows from it
+        # (with a warning); this is FSDP's all-gather at use (in the compute dtype), a no-op
+        # without FSDP.
+        table = self.embedding.embedding[...].astype(jnp.dtype(self.cfg.dtype))
+        x = jnp.take(shard(table, "vocab", None), tokens, axis=0)
         return x.astype(jnp.float32) if self.cfg.residual_in_fp32 else x
 
     def _final_norm(self, x: jax.Array) -> jax.Array:
