@@ -287,8 +287,9 @@ def ssd_sequence_parallel(
     start) pairs, and the kernels run the shard once from the incoming state, as on one device.
     With the Pallas kernels (`ssd_shard`) the zero-start state is summed from the kernels' own
     chunk states, and the exchange and its transpose (`incoming_state_grads`) run inside their
-    custom VJP; a rematerialised block's recompute reruns that forward exchange (one small
-    collective), since no remat policy reaches into a custom VJP. Otherwise (the portable
+    custom VJP; what the forward exchange received is named (`received`), so a rematerialised
+    block keeps it and its recompute passes nothing again (the custom VJP's forward is traced
+    in line, where the remat policy sees the name). Otherwise (the portable
     chunked path) the zero-start state is one matmul over the shard's positions
     (`_state_from_zero`) and autodiff transposes the exchange. A document that starts at the
     shard's first position (`seq_idx`) takes no incoming state."""

@@ -6,6 +6,8 @@ backward with each shard's final-state gradient from the later shards) runs inte
 simulated CPU devices of tests/conftest.py.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from hax_jax import sharding
 from hax_jax.config import MeshConfig
-from hax_jax.parallel import ssd_sequence_parallel
+from hax_jax.parallel import CARRIED, ssd_sequence_parallel
 from pallas_kernels.ssd import ssd
 from pallas_kernels.ssd.ops import ssd_shard
+from tests.support.collectives import COLLECTIVE
 
 RTOL = 1e-4  # fp32: max |split - whole| / max |whole|, per array
 Bsz, L, H, P_, G, N, CHUNK = 2, 128, 4, 8, 2, 16, 16
@@ -135,3 +138,26 @@ def test_ssd_shard_refuses_bad_arguments(exchange, keep_in, message):
     (x, dt, A, B, C, D, h0), _ = _inputs()
     with pytest.raises(ValueError, match=message):
         ssd_shard(x, dt, A, B, C, chunk_size=CHUNK, exchange=exchange, keep_in=keep_in, D=D)
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_a_rematerialised_shard_reruns_no_exchange(shards):
+    """Under the blocks' remat policy (keep what was received), the Pallas path's recompute
+    passes no state again: its gradient has the collectives of the plain one (the exchange
+    forward and its transpose)."""
+    args, _ = _inputs()
+    mesh = sharding.make_mesh(MeshConfig(data=1, seq=shards, tensor=1), CPUS)
+    policy = jax.checkpoint_policies.save_only_these_names(CARRIED)
+
+    def collectives(remat: bool) -> collections.Counter:
+        with jax.set_mesh(mesh):
+            split = _split(mesh, "pallas")
+            fn = jax.checkpoint(split, policy=policy) if remat else split
+            # value_and_grad: the forward's own outputs are used, so its exchange stays.
+            grad = jax.jit(jax.value_and_grad(lambda a: jnp.sum(fn(*a, None)[0])))
+            hlo = grad.lower(args).compile().as_text()
+        return collections.Counter(kind for _, kind in COLLECTIVE.findall(hlo))
+
+    plain = collectives(False)
+    assert sum(plain.values()) >= 2, plain  # the exchange and its transpose
+    assert collectives(True) == plain
