@@ -3,8 +3,8 @@ constraints.
 
 Parameters carry a `logical_axes` metadata tuple (one logical name or None per axis), set where they
 are built (`kernel_metadata={"logical_axes": ...}` on nnx.Linear, `logical_axes=...` on a raw
-nnx.Param). The rules map logical names to mesh axes; FSDP is a rule change ("embed" -> "data",
-"seq").
+nnx.Param). The rules map logical names to mesh axes; FSDP is a rule change ("embed" -> "data"
+and "seq").
 Activations are constrained with `shard(x, "batch", "seq", "embed")` at block boundaries only; GSPMD
 propagates the rest. `shard` reads the mesh set by `jax.set_mesh(mesh)` (the abstract mesh, also
 visible inside `jax.jit`) and does nothing when none is set, so single-device use is unchanged.
@@ -49,7 +49,7 @@ OPTIMIZER_RULES = tuple(
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
-def rules(fsdp: bool = False) -> tuple[tuple[str, str | None], ...]:
+def rules(fsdp: bool = False) -> Rules:
     """The rules table; with `fsdp`, parameters' d_model axis ("embed") is also split over
     "data" and "seq"."""
     return FSDP_RULES if fsdp else RULES
