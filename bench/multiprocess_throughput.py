@@ -1,13 +1,13 @@
 """End-to-end training throughput of train.py launched as the README says: one process per GPU.
 
     python bench/multiprocess_throughput.py --case lm_mamba2_130m --processes 2 [--steps 20]
-        [--set mesh.data=2 data.batch_size=16]
+        [--windows 2] [--set mesh.data=2 data.batch_size=16]
 
 Starts `--processes` train.py processes on this host, process i seeing GPU i alone, with
-JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID as in the README; they train 3 x
---steps steps on fresh batches of a case of bench/train_throughput.py. Reports process 0's tokens/s
-(metrics.jsonl, a window every --steps steps; the first, which compiles, left out): the mean, then
-each window's. `--processes 1`
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID as in the README; they train
+(--windows + 1) x --steps steps on fresh batches of a case of bench/train_throughput.py. Reports
+process 0's tokens/s (metrics.jsonl, a window every --steps steps; the first, which compiles, left
+out): the mean, then each window's. `--processes 1`
 runs one train.py over every visible GPU with the same arguments: the one-process baseline.
 """
 
@@ -35,10 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(case: str, processes: int, steps: int, extra: list[str], scratch: Path) -> list[float]:
-    """Process 0's tokens/s in each window after the first."""
+def run(
+    case: str, processes: int, steps: int, windows: int, extra: list[str], scratch: Path
+) -> list[float]:
+    """Process 0's tokens/s in each of `windows` windows after the first."""
     workdir = scratch / f"{case}_{processes}p"
-    n = 3 * steps
+    n = (windows + 1) * steps
     argv = [
         *case_argv(case, extra, scratch),
         f"workdir={workdir}",
@@ -78,11 +80,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", required=True, choices=sorted(CASES))
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="steps a window")
+    parser.add_argument("--windows", type=int, default=2, help="windows timed after the first")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides (e.g. the mesh)")
     args = parser.parse_args()
+    for name in ("processes", "steps", "windows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     with tempfile.TemporaryDirectory() as scratch:
-        windows = run(args.case, args.processes, args.steps, args.set, Path(scratch))
+        windows = run(args.case, args.processes, args.steps, args.windows, args.set, Path(scratch))
     each = ", ".join(f"{w:,.0f}" for w in windows)
     mean = np.mean(windows)
     print(f"| {args.case} | `{' '.join(args.set)}` | {args.processes} | {mean:,.0f} | {each} |")

@@ -125,7 +125,8 @@ tp_2_7b | tp_1_3b)
         --set $big mesh.data=1 mesh.tensor=2
     ;;
 procs)
-    mp="python bench/multiprocess_throughput.py --case lm_mamba2_130m --steps 20"
+    # four windows each: the one-GPU baseline's two windows were 6% apart (eleventh session)
+    mp="python bench/multiprocess_throughput.py --case lm_mamba2_130m --steps 20 --windows 4"
     gpu 0 run e2e_one_gpu 170 $mp --processes 1
     run e2e_1proc_data2 170 $mp --processes 1 --set mesh.data=2 data.batch_size=16
     run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
