@@ -462,18 +462,19 @@ def sparse_attention_sequence_parallel(
         q_sum_in, k_sum_in = jnp.split(incoming_states(jnp.ones(()), sums)[0], 2, axis=-1)
         bucket_k = carry.buckets_after(k, k_sum_in, offset, hash_proj, spec.binning)
     summary = carry.summarise(k, v, key_scores, bucket_k, offset, spec)
-    # Keys and values travel as one array (one collective there and one back), positions
-    # and buckets as another.
+    # Keys and values travel as one array (one collective there and one back); positions,
+    # buckets and the scores' bits (they only select: no gradient) as another.
     n = k.shape[-1]
     kv = jnp.concatenate([summary.k, summary.v.astype(summary.k.dtype)], axis=-1)
-    ints = jnp.stack([summary.pos] + ([] if bucket_k is None else [summary.bucket]), axis=-1)
-    ints, score, kv = (from_earlier_shards(x, axis=1) for x in (ints, summary.score, kv))
+    score_bits = jax.lax.bitcast_convert_type(summary.score, jnp.int32)
+    ints = [summary.pos, score_bits] + ([] if bucket_k is None else [summary.bucket])
+    ints, kv = (from_earlier_shards(x, axis=1) for x in (jnp.stack(ints, axis=-1), kv))
     gathered = carry.Summary(
         ints[..., 0],
         kv[..., :n],
         kv[..., n:].astype(v.dtype),
-        score,
-        None if bucket_k is None else ints[..., 1],
+        jax.lax.bitcast_convert_type(ints[..., 1], jnp.float32),
+        None if bucket_k is None else ints[..., 2],
     )
     if picks_pallas(spec, impl):
         bucket_q = None

@@ -38,11 +38,12 @@ def _step_collectives(n_layer: int, sparse: str, remat: str) -> list[tuple[str, 
 
 # Per block (measured), on two shards where whatever passes goes from the first shard to the
 # second (and back in the backward) as one collective-permute: Mamba-2's conv halo and the SSD's
-# (decay, final state) pair, each with its transpose (4). HAX adds 7: the sums of q and k before
-# the shard (LSH centring), the key scorer's prefix sums, three of the summaries (positions,
-# scores, keys beside values), the keys' and values' transpose, and one small all-reduce (two
-# (b, n), one (b, n, h)). (On more shards the pairs and summaries are all-gathered.)
-MOST_PER_BLOCK = {"": 4, "lsh+ks": 11}
+# (decay, final state) pair, each with its transpose (4). HAX adds 6: the sums of q and k before
+# the shard (LSH centring), the key scorer's prefix sums, two of the summaries (positions beside
+# buckets and scores, keys beside values), the keys' and values' transpose, and one small
+# all-reduce (two (b, n), one (b, n, h)). (On more shards the pairs and summaries are
+# all-gathered.)
+MOST_PER_BLOCK = {"": 4, "lsh+ks": 10}
 
 
 @functools.cache
