@@ -39,7 +39,15 @@ from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers import init
 from hax_jax.layers.attention import attend
 from hax_jax.layers.rope import apply_rope
-from hax_jax.parallel import SEQ, incoming_states, per_device, received, seq_shards
+from hax_jax.parallel import (
+    SEQ,
+    from_last_shard,
+    from_previous_shard,
+    incoming_states,
+    per_device,
+    received,
+    seq_shards,
+)
 
 EPS = 1e-6  # the retrieval denominator's guard (see the module docstring)
 HEADS = ("batch", "seq", "heads", None)  # q, k, v, outputs: (b, l, h, head_dim)
@@ -303,8 +311,12 @@ def incoming_memory(sk: jax.Array, v: jax.Array, n: int, rule: str):
 
 def _incoming_affine(trans: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`incoming_states` for matrix maps M -> trans @ M + offset ((..., k, k), (..., k, v)) from
-    M = 0: one all-gather of the shards' maps, then S compositions on every shard."""
+    M = 0: one all-gather of the shards' maps, then S compositions on every shard. On two shards
+    the second enters with the first's offset alone (the map of M = 0): one collective-permute."""
     k = trans.shape[-1]
+    if seq_shards() == 2:
+        entering = from_previous_shard(offset, jnp.zeros_like(offset))
+        return entering, from_last_shard(trans @ entering + offset)
     packed = received(jax.lax.all_gather(jnp.concatenate([trans, offset], axis=-1), SEQ))
     mem, entering = jnp.zeros_like(offset), []
     for s in range(seq_shards()):
