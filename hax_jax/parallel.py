@@ -186,8 +186,7 @@ def from_earlier_shards(x: jax.Array, axis: int) -> jax.Array:
     is earlier. Only the second shard waits (an all-gather makes both wait for the slower), and
     the transpose is one collective-permute back instead of a reduce-scatter."""
     if seq_shards() == 2:
-        moved = received(jax.lax.ppermute(x, SEQ, [(0, 1)]))
-        return jnp.concatenate([moved, x], axis=axis)
+        return jnp.concatenate([from_previous_shard(x, jnp.zeros_like(x)), x], axis=axis)
     return received(jax.lax.all_gather(x, SEQ, axis=axis, tiled=True))
 
 
@@ -215,20 +214,23 @@ def incoming_states(
     shards = seq_shards()
     if shards == 1:
         return h, decay * h + final
-    if shards == 2:
-        decay = decay.astype(final.dtype)
-        packed = jnp.concatenate([decay.reshape(-1), final.reshape(-1)])
-        moved = from_previous_shard(packed, jnp.zeros_like(packed))
-        decay_0 = moved[: decay.size].reshape(decay.shape)
-        entering = jnp.where(
-            jax.lax.axis_index(SEQ) == 0, h, decay_0 * h + moved[decay.size :].reshape(final.shape)
+    decay = decay.astype(final.dtype)
+    # Both flattened side by side: one collective per scan, not two.
+    packed = jnp.concatenate([decay.reshape(-1), final.reshape(-1)])
+
+    def unpack(p):
+        """(decays, finals) from packed pairs (..., pair)."""
+        lead = p.shape[:-1]
+        return (
+            p[..., : decay.size].reshape(*lead, *decay.shape),
+            p[..., decay.size :].reshape(*lead, *final.shape),
         )
+
+    if shards == 2:
+        decay_0, final_0 = unpack(from_previous_shard(packed, jnp.zeros_like(packed)))
+        entering = jnp.where(jax.lax.axis_index(SEQ) == 0, h, decay_0 * h + final_0)
         return entering, from_last_shard(decay * entering + final)
-    # One all-gather of both (flattened side by side): one collective per scan, not two.
-    packed = jnp.concatenate([decay.astype(final.dtype).reshape(-1), final.reshape(-1)])
-    packed = received(jax.lax.all_gather(packed, SEQ))
-    decays = packed[:, : decay.size].reshape(shards, *decay.shape)
-    finals = packed[:, decay.size :].reshape(shards, *final.shape)
+    decays, finals = unpack(received(jax.lax.all_gather(packed, SEQ)))
     entering = []
     for s in range(shards):
         entering.append(h)

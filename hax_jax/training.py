@@ -54,18 +54,17 @@ def per_sample_accuracy(predictions: jax.Array, batch: dict) -> tuple[jax.Array,
     return hits.sum(-1) / jnp.maximum(counts, 1), counts > 0
 
 
-def _hidden(model: LanguageModel, batch: dict, rng=None) -> jax.Array:
-    """The final hidden states (b, l, d) of the batch's inputs."""
+def _hidden(model: LanguageModel, batch: dict, rng=None) -> tuple[jax.Array, int]:
+    """(the final hidden states (b, l, d) of the batch's inputs, the loss's chunks a row)."""
     h, _ = model.hidden(
         batch["inputs"], seq_idx=batch.get("seq_idx"), mask=batch["real"].astype(bool), rng=rng
     )
-    return h
+    return h, chunk_count((*h.shape[:2], model.cfg.padded_vocab_size), model.cfg.loss_chunk)
 
 
 def token_stats(model: LanguageModel, batch: dict, rng=None) -> tuple[jax.Array, jax.Array]:
     """(cross-entropy, argmax) at every position (b, l), the logits a chunk at a time (loss.py)."""
-    h = _hidden(model, batch, rng)
-    n_chunks = chunk_count((*h.shape[:2], model.cfg.padded_vocab_size), model.cfg.loss_chunk)
+    h, n_chunks = _hidden(model, batch, rng)
     return token_nll_chunked(h, batch["labels"], model.head, n_chunks)
 
 
@@ -74,9 +73,8 @@ def loss_fn(params: dict, graphdef, batch: dict, rng: jax.Array, rank_loss_weigh
 
     The NLL by `weighted_nll`: the head's gradient taken with its logits, a chunk at a time."""
     model = nnx.merge(graphdef, params)
-    h, sown = nnx.capture(_hidden, nnx.Intermediate)(model, batch, rng)
+    (h, n_chunks), sown = nnx.capture(_hidden, nnx.Intermediate)(model, batch, rng)
     mask = batch["loss_mask"].astype(jnp.float32)
-    n_chunks = chunk_count((*h.shape[:2], model.cfg.padded_vocab_size), model.cfg.loss_chunk)
     task, predictions = weighted_nll(
         h,
         batch["labels"],
