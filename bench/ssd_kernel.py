@@ -2,10 +2,12 @@
 
     python bench/ssd_kernel.py [--peer .peer] [--json out.json] [--profile]
         [--config name:key=value,key=value ...] [--cases fwd_bwd fwd fwd_fp32]
+        [--shapes b,l,h,p,n ...]
 
 Cases (issue #6): forward+backward (grads of x, dt, A, B, C, D for a random cotangent) at
 (b8, l2048, h24, p64, n128) and (b2, l8192, h80, p64, n128), chunk 256, bf16 x/B/C, fp32 dt/A/D,
-one group; forward alone at the same shapes and at (b1, l2048, h24, p64, n128) fp32. The peer is
+one group; forward alone at the same shapes and at (b1, l2048, h24, p64, n128) fp32 (--shapes
+replaces the bf16 cases' shapes, e.g. 1,16384,24,64,128: a 32K row's shard on seq=2). The peer is
 `mamba_chunk_scan_combined` on the same values (torch tensors); times are medians of --reps
 runs after warm-up, each synchronised (block_until_ready / torch.cuda.synchronize). --config
 names `BlockSizes` fields (e.g. `w8:num_warps_bwd=8,heads_per_block=4`); --profile adds each
@@ -49,6 +51,19 @@ def make_inputs(b, l, h, p, n, dtype, seed=0):
         D=normal(h),
         dy=normal(b, l, h, p).astype(dtype),
     )
+
+
+def shape_arg(text):
+    """(b, l, h, p, n) from "b,l,h,p,n": positive ints, l a multiple of the chunk."""
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1 or shape[1] % CHUNK:
+        raise argparse.ArgumentTypeError(
+            f"a shape is five positive ints b,l,h,p,n with l a multiple of {CHUNK}, got {text!r}"
+        )
+    return shape
 
 
 def jax_case(inp, impl, backward, **kw):
@@ -96,6 +111,7 @@ def main():
     )
     parser.add_argument("--cases", nargs="+", default=["fwd_bwd", "fwd", "fwd_fp32"])
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU times too")
+    parser.add_argument("--shapes", nargs="+", type=shape_arg, default=FWD_BWD, help="b,l,h,p,n")
     parser.add_argument("--no-chunked", action="store_true", help="skip the pure-JAX path")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -113,8 +129,8 @@ def main():
 
     bf16 = ml_dtypes.bfloat16
     cases = {
-        "fwd_bwd": [(s, True, bf16) for s in FWD_BWD],
-        "fwd": [(s, False, bf16) for s in FWD_BWD],
+        "fwd_bwd": [(s, True, bf16) for s in args.shapes],
+        "fwd": [(s, False, bf16) for s in args.shapes],
         "fwd_fp32": [(s, False, np.float32) for s in FWD_FP32],
     }
     rows = []

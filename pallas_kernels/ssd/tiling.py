@@ -24,6 +24,8 @@ class BlockSizes:
     num_warps_bwd: int | None = None  # Triton warps per backward program (gpu only)
     num_stages: int | None = None  # Triton software-pipelining stages, forward (gpu only)
     num_stages_bwd: int | None = None  # the same for the backward kernels (gpu only)
+    heads_per_program: int | None = None  # heads of one group per Mosaic GPU chunk_state /
+    # chunk_out program (divides heads // groups); None: kernel_mgpu's choice for the grid
     mosaic_gpu: bool | None = None  # chunk_state / chunk_out by Mosaic GPU (kernel_mgpu.py)
     # instead of Triton: None = on Hopper when the inputs suit them (bf16 / f16, p and n
     # multiples of 64, chunk a multiple of 128); True forces them (interpreted on CPU)
@@ -62,6 +64,7 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
         tile=sizes.tile or tile,
         tile_bwd=sizes.tile_bwd or tile,
         heads_per_block=sizes.heads_per_block or _default_heads_per_block(heads_per_group),
+        heads_per_program=sizes.heads_per_program,
         num_warps=sizes.num_warps or 4,
         num_warps_bwd=sizes.num_warps_bwd or 4,
         num_stages=sizes.num_stages or 2,
@@ -74,11 +77,13 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
                 f"block_sizes.{name} must divide chunk_size = {chunk_size}, "
                 f"got {getattr(sizes, name)}"
             )
-    if heads_per_group % sizes.heads_per_block:
-        raise ValueError(
-            f"block_sizes.heads_per_block must divide the heads per group = {heads_per_group}, "
-            f"got {sizes.heads_per_block}"
-        )
+    for name in ("heads_per_block", "heads_per_program"):
+        value = getattr(sizes, name)
+        if value is not None and heads_per_group % value:
+            raise ValueError(
+                f"block_sizes.{name} must divide the heads per group = {heads_per_group}, "
+                f"got {value}"
+            )
     return sizes
 
 

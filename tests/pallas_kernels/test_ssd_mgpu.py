@@ -6,6 +6,8 @@ inputs raise, and the choice between them and Triton is pinned. `ssd` end to end
 (values and gradients) is in test_ssd_pallas.py. The gpu-marked test runs them compiled.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from pallas_kernels.backend import lower_for
 from pallas_kernels.ssd import kernel as triton
 from pallas_kernels.ssd import kernel_mgpu as mgpu
 from pallas_kernels.ssd import pallas
-from pallas_kernels.ssd.tiling import resolve_block_sizes
+from pallas_kernels.ssd.tiling import BlockSizes, resolve_block_sizes
 
 # Max abs error relative to the largest Triton magnitude. States: both sides multiply the same
 # bf16 values and sum in fp32. Outputs: rounded to bf16 once on each side, and the Mosaic GPU
@@ -73,6 +75,25 @@ def test_chunk_outputs_interpreted():
     got = mgpu.chunk_outputs_mgpu(prep, h_in, interpret=True)
     assert got.dtype == want.dtype
     assert_scaled_close(got, want, OUT_TOL, "y")
+
+
+@pytest.mark.parametrize(
+    "b, c, h, g, set_to, want",
+    [
+        (1, 128, 24, 1, None, 8),  # one 32K row of Mamba-2 130M: 384 programs of 8 heads
+        (1, 64, 24, 1, None, 4),  # its 16K shard on seq=2: 192 of 8 would leave the GPU idle
+        (8, 8, 24, 1, None, 4),  # 8 x 2048
+        (1, 64, 24, 1, 2, 2),  # BlockSizes.heads_per_program decides when given
+        (1, 64, 6, 1, None, 3),  # at most 4 among the divisors of 6
+        (1, 512, 80, 8, None, 5),  # 10 heads a group: its largest divisor up to 8
+    ],
+)
+def test_heads_per_program(b, c, h, g, set_to, want):
+    """Heads a Mosaic GPU program: 8 (or the largest divisor up to 8 of the heads a group),
+    unless that leaves fewer than MIN_PROGRAMS programs; then the largest divisor up to 4."""
+    sizes = resolve_block_sizes("gpu", 256, h // g, BlockSizes(heads_per_program=set_to))
+    prep = types.SimpleNamespace(shape=(b, c * 256, h, 64, g, 128), c=c, sizes=sizes)
+    assert mgpu._heads_per_program(prep) == want
 
 
 def test_interpreter_refuses_too_few_threads(monkeypatch):

@@ -96,10 +96,12 @@ def test_gpu_variant_interpreted(g, seq, dtype):
     assert_matches(flat(got), flat(ref), dtype)
 
 
-def test_mosaic_gpu_kernels_interpreted():
+@pytest.mark.parametrize("heads_per_program", [None, 1])
+def test_mosaic_gpu_kernels_interpreted(heads_per_program):
     """block_sizes.mosaic_gpu=True: chunk_state / chunk_out by the Mosaic GPU kernels (their
     interpreter), the rest Triton-interpreted; l = 200 pads the second chunk of 128, a document
-    boundary inside the first chunk, initial state on."""
+    boundary inside the first chunk, initial state on; both heads in one program (the default
+    here) and one head a program."""
     inputs, cts = make_inputs(1, 200, 2, 64, 1, 64, jnp.bfloat16)
     seq_idx = jnp.asarray(np.repeat([0, 1], [90, 110])[None].astype(np.int32))
     ref = value_and_grads(inputs, cts, seq_idx, chunk_size=128, impl="chunked")
@@ -110,7 +112,7 @@ def test_mosaic_gpu_kernels_interpreted():
         chunk_size=128,
         impl="pallas",
         variant="gpu",
-        block_sizes=BlockSizes(mosaic_gpu=True),
+        block_sizes=BlockSizes(mosaic_gpu=True, heads_per_program=heads_per_program),
     )
     assert_matches(flat(got), flat(ref), jnp.bfloat16)
 
@@ -177,6 +179,16 @@ def test_bad_inputs_are_named():
             impl="pallas",
             variant="gpu",
             block_sizes=BlockSizes(heads_per_block=4),
+        )
+    with pytest.raises(
+        ValueError, match="heads_per_program must divide the heads per group = 2, got 3"
+    ):
+        ssd(
+            *pos,
+            chunk_size=16,
+            impl="pallas",
+            variant="gpu",
+            block_sizes=BlockSizes(heads_per_program=3),
         )
     with pytest.raises(ValueError, match="block_sizes.num_warps must be a positive int, got 0"):
         ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(num_warps=0))
