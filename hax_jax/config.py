@@ -150,17 +150,20 @@ class MeshConfig:
     # parameters), keeping the parameters whole (ZeRO-1): each device updates its slice of the
     # gradients, the new parameters are gathered. fsdp implies it.
     shard_optimizer: bool = False
-    # XLA:GPU's joining of all-reduces (the gradients' reductions over "data" and "seq") into
-    # fewer, larger ones. Joined without limit across many blocks, XLA holds every block's
-    # weight-gradient inputs to the end of the backward (HAX-Mamba-2 130M 1M tokens on seq=2 then
-    # failed to allocate 342.89 GiB); never joined, a split sequence pays for hundreds of small
-    # all-reduces. "block": joined up to the largest block's gradient bytes on a device (2 x H200,
-    # seq=2: Mamba-2 32K 89.70 ms against 92.59 unjoined and 88.74 unlimited; HAX 1M tokens fit,
-    # 89.9 GiB a GPU; HAX 64K holds 9.10 GiB of temporaries a GPU, 6.81 unjoined; BENCHMARKS.md,
-    # tenth session). "auto": "block" where GPUs split the sequence, XLA's default otherwise. "on":
-    # XLA's default everywhere; "off": never joined (the least memory). "off" and "block" are
-    # XLA:GPU settings, refused elsewhere.
-    combine_all_reduces: Literal["auto", "on", "off", "block"] = "auto"
+    # XLA:GPU's joining of the gradients' and parameters' collectives over "data" and "seq"
+    # (all-reduces; with fsdp or shard_optimizer also reduce-scatters and all-gathers) into fewer,
+    # larger ones. Joined without limit across many blocks, XLA holds every block's weight-gradient
+    # inputs to the end of the backward (HAX-Mamba-2 130M 1M tokens on seq=2 then failed to
+    # allocate 342.89 GiB; Mamba-2 32K with fsdp on seq=2, when only all-reduces were limited,
+    # held 7.35 GiB of temporaries a GPU against 2.98 without fsdp, its blocks' weight-gradient
+    # matmuls moved to the end of the backward); never joined, a split sequence pays for hundreds
+    # of small all-reduces. "block": joined up to the largest block's parameter bytes on
+    # a device before fsdp's split (2 x H200, seq=2: Mamba-2 32K 89.70 ms against 92.59 unjoined and
+    # 88.74 unlimited; HAX 1M tokens fit, 89.9 GiB a GPU; HAX 64K holds 9.10 GiB of temporaries a
+    # GPU, 6.81 unjoined; BENCHMARKS.md, tenth and twelfth sessions). "auto": "block" where GPUs
+    # split the sequence, XLA's default otherwise. "on": XLA's default everywhere; "off": never
+    # joined (the least memory). "off" and "block" are XLA:GPU settings, refused elsewhere.
+    combine_collectives: Literal["auto", "on", "off", "block"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -223,9 +226,15 @@ class Config:
 # ----------------------------------------------------------------------------- overrides
 
 
-# Keys that moved: an override of the old one is refused with the new one; a saved config (a
-# workdir's config.json, a checkpoint's) is read with the value moved.
-MOVED_KEYS = {"data.joint_recall.eval_batches": "data.eval_batches"}
+# Keys that moved (old: (new, why)): an override of the old one is refused with the new one; a
+# saved config (a workdir's config.json, a checkpoint's) is read with the value moved.
+MOVED_KEYS = {
+    "data.joint_recall.eval_batches": ("data.eval_batches", "it applies to every task"),
+    "mesh.combine_all_reduces": (
+        "mesh.combine_collectives",
+        "it limits the joining of reduce-scatters and all-gathers too",
+    ),
+}
 
 
 def apply_overrides(cfg: Any, overrides: typing.Sequence[str]) -> Any:
@@ -235,7 +244,7 @@ def apply_overrides(cfg: Any, overrides: typing.Sequence[str]) -> Any:
         if not sep or not key:
             raise ValueError(f"override {item!r} is not of the form key=value")
         if key in MOVED_KEYS:
-            raise ValueError(f"{key} is now {MOVED_KEYS[key]} (it applies to every task)")
+            raise ValueError(f"{key} is now {MOVED_KEYS[key][0]} ({MOVED_KEYS[key][1]})")
         cfg = _replace_path(cfg, key.split("."), raw, key)
     return cfg
 
@@ -347,7 +356,7 @@ def save_json(cfg: Any, path: str | Path) -> None:
 def migrate_dict(data: dict) -> dict:
     """A saved config dict with every MOVED_KEYS value at its new place (a copy)."""
     data = json.loads(json.dumps(data))
-    for old, new in MOVED_KEYS.items():
+    for old, (new, _) in MOVED_KEYS.items():
         *old_parents, old_leaf = old.split(".")
         parent = data
         for name in old_parents:

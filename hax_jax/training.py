@@ -191,43 +191,63 @@ def _checked_shardings(abstract_params, mesh, rules: sharding.Rules) -> dict:
     return sharding.param_shardings_dict(abstract_params, mesh, rules)
 
 
-# XLA:GPU joins all-reduces while the joined size stays within this many bytes: at 1 none join.
-_COMBINE_THRESHOLD = "xla_gpu_all_reduce_combine_threshold_bytes"
+# XLA:GPU joins collectives of each kind while the joined size stays within these many bytes: at
+# 1 none join. The gradients' reductions are all-reduces, or reduce-scatters with fsdp and
+# shard_optimizer, which also gather parameters.
+_COMBINE_THRESHOLDS = (
+    "xla_gpu_all_reduce_combine_threshold_bytes",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes",
+    "xla_gpu_all_gather_combine_threshold_bytes",
+)
 
 
 def step_compiler_options(mesh_cfg, mesh, abstract_params=None, param_shardings=None) -> dict:
-    """XLA options for compiling the train step on `mesh`, from mesh.combine_all_reduces (see
+    """XLA options for compiling the train step on `mesh`, from mesh.combine_collectives (see
     config.MeshConfig): {} keeps XLA's defaults. "block" reads the parameters' shapes and
     shardings for the largest block's gradient bytes on a device (`largest_block_bytes`)."""
-    combine = mesh_cfg.combine_all_reduces
+    combine = mesh_cfg.combine_collectives
     platform = mesh.devices.flat[0].platform
     if combine in ("off", "block") and platform != "gpu":
         raise ValueError(
-            f"mesh.combine_all_reduces={combine!r} is an XLA:GPU setting; this mesh's devices are "
+            f"mesh.combine_collectives={combine!r} is an XLA:GPU setting; this mesh's devices are "
             f"{platform}"
         )
     if combine == "on" or platform != "gpu" or (combine == "auto" and mesh.shape["seq"] == 1):
         return {}
+    threshold = 1
     if combine in ("auto", "block"):
-        block_bytes = largest_block_bytes(abstract_params, param_shardings)
-        if block_bytes < 1:
-            raise ValueError(f"mesh.combine_all_reduces={combine!r} needs a model with blocks")
-        return {_COMBINE_THRESHOLD: block_bytes}
-    return {_COMBINE_THRESHOLD: 1}
+        threshold = largest_block_bytes(abstract_params, param_shardings)
+        if threshold < 1:
+            raise ValueError(f"mesh.combine_collectives={combine!r} needs a model with blocks")
+    return dict.fromkeys(_COMBINE_THRESHOLDS, threshold)
 
 
 def largest_block_bytes(abstract_params, param_shardings: dict) -> int:
-    """Bytes of the largest residual block's parameters on one device (= its gradients', which
-    keep the parameters' dtypes), after `param_shardings` split them; 0 without blocks."""
+    """Bytes of the largest residual block's parameters on one device as "tensor" splits them (=
+    its gradients' before their reduction over "data" and "seq", which fsdp's split follows);
+    0 without blocks."""
     per_block = collections.Counter()
 
-    def add(path, leaf, spec):
+    def add(path, leaf, sharding):
         if path[0].key == "layers":
-            shard = spec.shard_shape(leaf.shape)
+            shard = [
+                size // math.prod(sharding.mesh.shape[a] for a in _axes(entry) if a == "tensor")
+                for size, entry in zip(leaf.shape, _padded(sharding.spec, leaf.ndim))
+            ]
             per_block[path[1].key] += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
 
     jax.tree_util.tree_map_with_path(add, nnx.to_pure_dict(abstract_params), param_shardings)
     return max(per_block.values(), default=0)
+
+
+def _axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _padded(spec, ndim: int) -> tuple:
+    """A PartitionSpec's entries for all `ndim` dimensions (trailing ones unsplit)."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def state_shardings(state_shape, param_shardings: dict, tx, mesh, update_shardings=None):

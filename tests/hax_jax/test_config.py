@@ -200,3 +200,16 @@ def test_a_moved_key_is_refused_with_its_new_name_and_read_from_old_files(tmp_pa
     check_resumable(old, Config(), "old workdir")  # eval_batches may change on resume
     with pytest.raises(ValueError, match=r"data.seq_len: checkpoint 1024 vs now 512"):
         check_resumable(old, config_lib.apply_overrides(Config(), ["data.seq_len=512"]), "x")
+
+
+def test_combine_all_reduces_moved_to_combine_collectives(tmp_path):
+    """mesh.combine_all_reduces limits reduce-scatters and all-gathers too now: the old override
+    names mesh.combine_collectives, and a config.json with the old key is read with it moved."""
+    with pytest.raises(ValueError, match="combine_all_reduces is now mesh.combine_collectives"):
+        config_lib.apply_overrides(Config(), ["mesh.combine_all_reduces=off"])
+    old = config_lib.to_dict(Config())
+    old["mesh"]["combine_all_reduces"] = "off"
+    del old["mesh"]["combine_collectives"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(old))
+    assert config_lib.load_json(Config, path).mesh.combine_collectives == "off"

@@ -1,6 +1,7 @@
 """train.py end to end: exact resume, sharded == single device, NaN stop, SIGTERM, init_from,
 errors."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -251,23 +252,22 @@ def _stand_in_mesh(platform: str, seq: int):
         ("block", "gpu", 1, "block"),
     ],
 )
-def test_all_reduce_combining_follows_the_setting(combine, platform, seq, threshold):
-    """Joining is limited to one block's gradients where GPUs split the sequence by default and
-    under "block", off (threshold 1) under "off"."""
+def test_collective_combining_follows_the_setting(combine, platform, seq, threshold):
+    """Joining of all-reduces, reduce-scatters and all-gathers is limited to one block's gradients
+    where GPUs split the sequence by default and under "block", off (threshold 1) under "off"."""
     cfg = config_lib.apply_overrides(config_lib.load_config_file(ALL_KINDS[0]), ALL_KINDS[1:])
     abstract = nnx.split(hax_jax.checkpoint.abstract_model(cfg.model), nnx.Param)[1]
     replicated = jax.tree.map(lambda _: _replicated(), nnx.to_pure_dict(abstract))
-    mesh_cfg = config_lib.MeshConfig(combine_all_reduces=combine)
+    mesh_cfg = config_lib.MeshConfig(combine_collectives=combine)
     options = training.step_compiler_options(
         mesh_cfg, _stand_in_mesh(platform, seq), abstract, replicated
     )
     if threshold == "block":
         threshold = training.largest_block_bytes(abstract, replicated)
         assert threshold > 1
-    assert options == ({} if threshold is None else {_THRESHOLD: threshold})
-
-
-_THRESHOLD = "xla_gpu_all_reduce_combine_threshold_bytes"
+    kinds = ("all_reduce", "reduce_scatter", "all_gather")
+    want = {f"xla_gpu_{kind}_combine_threshold_bytes": threshold for kind in kinds}
+    assert options == ({} if threshold is None else want)
 
 
 def _replicated():
@@ -275,9 +275,9 @@ def _replicated():
 
 
 @pytest.mark.parametrize("combine", ["off", "block"])
-def test_gpu_only_all_reduce_combining_is_refused_off_gpus(combine):
-    mesh_cfg = config_lib.MeshConfig(combine_all_reduces=combine)
-    with pytest.raises(ValueError, match=rf"combine_all_reduces='{combine}' .* devices are tpu"):
+def test_gpu_only_collective_combining_is_refused_off_gpus(combine):
+    mesh_cfg = config_lib.MeshConfig(combine_collectives=combine)
+    with pytest.raises(ValueError, match=rf"combine_collectives='{combine}' .* devices are tpu"):
         training.step_compiler_options(mesh_cfg, _stand_in_mesh("tpu", 2))
 
 
@@ -303,6 +303,11 @@ def test_the_largest_block_is_counted_in_one_devices_bytes():
     assert len(set(held.values())) > 1  # the kinds' blocks differ in size
     assert held[largest] < whole[largest]  # and tensor=2 splits some of the largest's parameters
     assert training.largest_block_bytes(abstract, shardings) == max(held.values())
+    # fsdp splits d_model over "data" after the gradients' reduction: the bytes stay.
+    fsdp = dataclasses.replace(cfg.mesh, fsdp=True)
+    fsdp_shardings, _ = training.param_and_update_shardings(abstract, mesh, fsdp)
+    assert fsdp_shardings != shardings
+    assert training.largest_block_bytes(abstract, fsdp_shardings) == max(held.values())
 
 
 # Mamba-2 blocks the GPU kernels take (chunks of 64) on rows of 256: 2 shards of 2 chunks.
@@ -326,7 +331,7 @@ def test_a_split_sequence_on_gpus_joins_all_reduces_up_to_a_block(tmp_path):
     settings = ("off", "auto", "block", "on")
     counts = {}
     for combine in settings:
-        argv = [*GPU_MAMBA2, "mesh.data=1", "mesh.seq=2", f"mesh.combine_all_reduces={combine}"]
+        argv = [*GPU_MAMBA2, "mesh.data=1", "mesh.seq=2", f"mesh.combine_collectives={combine}"]
         trainer = _trainer(argv, tmp_path / combine)
         with jax.set_mesh(trainer.mesh):
             batch = trainer.batch(next(trainer.iterator))
