@@ -11,6 +11,9 @@
 #                  again;  dp_flags: one GPU, data=2 under XLA flags for the gradient all-reduces
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2, seq=2 with mesh.shard_optimizer), and
 #                  HAX-Mamba-2 130M 1 x 65536 on one GPU
+#        seq_memory  Mamba-2 130M 1 x 32768, one GPU, then seq=2 plain, with mesh.shard_optimizer,
+#                  with mesh.fsdp (collectives joined up to a block, the default) and with mesh.fsdp
+#                  never joined (mesh.combine_collectives=off): issue 17's memory per GPU
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
 #                  blocks, e.g. 4: each block's cost in about 2 minutes instead of 9)
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
@@ -27,7 +30,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -87,6 +90,16 @@ seq)
     run seq2_32k_shard_optimizer 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
         --set mesh.data=1 mesh.seq=2 mesh.shard_optimizer=true
     ;;
+seq_memory)
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives
+    seq2="mesh.data=1 mesh.seq=2"
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
+    run seq2_32k_shard_optimizer 120 $tp --cases lm_mamba2_130m_32k $steps --collectives \
+        --set $seq2 mesh.shard_optimizer=true
+    run seq2_32k_fsdp 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2 mesh.fsdp=true
+    run seq2_32k_fsdp_unjoined 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
+        --set $seq2 mesh.fsdp=true mesh.combine_collectives=off
+    ;;
 seq_hax)
     # Both HAX steps profiled with their HLOs, for bench/kernel_attribution.py (seq=2 took 1.50x
     # the one-GPU tokens/s and twice its memory in the sixth session): about 9 minutes, the 24-block
@@ -132,7 +145,7 @@ procs)
     run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
     ;;
 *)
-    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
     exit 2
     ;;
 esac
