@@ -170,26 +170,12 @@ def test_bad_inputs_are_named():
         ValueError, match="block_sizes.tile_bwd must divide chunk_size = 16, got 12"
     ):
         ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(tile_bwd=12))
-    with pytest.raises(
-        ValueError, match="heads_per_block must divide the heads per group = 2, got 4"
-    ):
-        ssd(
-            *pos,
-            chunk_size=16,
-            impl="pallas",
-            variant="gpu",
-            block_sizes=BlockSizes(heads_per_block=4),
-        )
-    with pytest.raises(
-        ValueError, match="heads_per_program must divide the heads per group = 2, got 3"
-    ):
-        ssd(
-            *pos,
-            chunk_size=16,
-            impl="pallas",
-            variant="gpu",
-            block_sizes=BlockSizes(heads_per_program=3),
-        )
+    for field, value in (("heads_per_block", 4), ("heads_per_program", 3)):
+        with pytest.raises(
+            ValueError, match=f"{field} must divide the heads per group = 2, got {value}"
+        ):
+            sizes = BlockSizes(**{field: value})
+            ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=sizes)
     with pytest.raises(ValueError, match="block_sizes.num_warps must be a positive int, got 0"):
         ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(num_warps=0))
     with pytest.raises(ValueError, match="block_sizes.mosaic_gpu must be None or a bool, got 1"):
