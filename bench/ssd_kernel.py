@@ -31,6 +31,7 @@ from bench.timing import (
     pipelined_ms,
     write_rows,
 )
+from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 from pallas_kernels.ssd import BlockSizes, ssd
 
 FWD_BWD = [(8, 2048, 24, 64, 128), (2, 8192, 80, 64, 128)]
@@ -160,4 +161,7 @@ def main():
 
 
 if __name__ == "__main__":
+    # As train.py does: with custom calls kept out of CUDA graphs the default BlockSizes take the
+    # Mosaic GPU chunk kernels on Hopper (kernel_mgpu.use_mosaic_gpu), as training does.
+    keep_custom_calls_out_of_cuda_graphs()
     main()
