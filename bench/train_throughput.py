@@ -2,7 +2,7 @@
 
     python bench/train_throughput.py [--cases jr_hax,lm_hax_130m] [--steps 20] [--write
     BENCHMARKS.md]
-        [--set mesh.data=1 mesh.seq=2 ...]
+        [--set mesh.data=1 mesh.seq=2 ...] [--warmup N]
 
 Per case: train.Trainer builds the state and data exactly as `python train.py` would; one batch is
 fetched, the step is compiled and run once, then --steps steps run back to back on that batch (pure
@@ -96,11 +96,21 @@ def case_argv(name: str, extra, scratch: Path) -> list[str]:
 
 
 def measure(
-    name, steps, scratch: Path, e2e=True, extra=(), profile=0, collectives=False, hlo_dir=""
+    name,
+    steps,
+    scratch: Path,
+    e2e=True,
+    extra=(),
+    profile=0,
+    collectives=False,
+    hlo_dir="",
+    warmup=0,
 ) -> dict:
     """Pure-step and end-to-end throughput of one case, with `extra` overrides; `profile` > 0
     prints that many of GPU 0's costliest kernels in a step; `collectives` prints the compiled
-    step's collectives; `hlo_dir` receives the compiled step's optimized HLO (<case>.hlo.txt)."""
+    step's collectives; `hlo_dir` receives the compiled step's optimized HLO (<case>.hlo.txt);
+    `warmup` steps run untimed after the first (under JAX_ENABLE_PGLE: its profiled runs and the
+    recompile with their profile)."""
     argv = case_argv(name, extra, scratch)
     cfg = train.resolve_config([*argv, f"workdir={scratch / name}"])
     workdir = Path(cfg.workdir)
@@ -137,6 +147,12 @@ def measure(
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - start
         print(f"{name}: compiled and ran the first step in {compile_s:.1f} s", flush=True)
+        if warmup:
+            start = time.perf_counter()
+            for _ in range(warmup):
+                state, metrics = trainer.step_fn(state, batch)
+            jax.block_until_ready(metrics)
+            print(f"{name}: {warmup} warm-up steps in {time.perf_counter() - start:.1f} s")
         start = time.perf_counter()
         for _ in range(steps):
             state, metrics = trainer.step_fn(state, batch)
@@ -196,6 +212,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print this many top GPU kernels")
     parser.add_argument("--collectives", action="store_true", help="list the step's collectives")
     parser.add_argument("--hlo-dir", default="", help="write each step's optimized HLO here")
+    parser.add_argument(
+        "--warmup", type=int, default=0, help="untimed steps after the first (e.g. for PGLE)"
+    )
     args = parser.parse_args()
     device = jax.devices()[0]
     header = (
@@ -217,6 +236,7 @@ def main() -> None:
                 profile=args.profile,
                 collectives=args.collectives,
                 hlo_dir=args.hlo_dir,
+                warmup=args.warmup,
             )
             rows.append(
                 f"| {r['case']} | `{r['config']}` | {r['batch']} | {r['compile_s']:.1f} | "

@@ -19,6 +19,11 @@
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
 #                  steps per source line with `python bench/kernel_attribution.py ONE.hlo.txt
 #                  one.log SEQ2.hlo.txt seq2.log --scale 0.5`)
+#        pgle_seq  Mamba-2 130M 1 x 32768, one GPU and seq=2, each with XLA's profile-guided latency
+#                  estimates (JAX_ENABLE_PGLE: 3 profiled runs, then a recompile) and without
+#        pgle_dp   the same for 8 x 2048 a GPU, one GPU and data=2
+#        nccl_dp   one GPU and data=2 at 8 x 2048 a GPU, data=2 also under NCCL_PROTO=Simple and
+#                  =LL128 (the profiles show the all-reduces in NCCL's LL protocol)
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
 #                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8; LHS=1: tp_* with
@@ -30,7 +35,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -110,6 +115,30 @@ seq_hax)
     run seq2_hax_64k 330 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
         --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set "$layers" mesh.data=1 mesh.seq=2
     ;;
+pgle_seq | pgle_dp)
+    # The scheduler's cost model takes a collective-permute of one SSD state for nearly free and
+    # leaves it exposed; PGLE gives it the measured latencies of the step's own kernels.
+    pgle="env JAX_ENABLE_PGLE=yes JAX_PGLE_PROFILING_RUNS=3"
+    warm="--warmup 5"  # the profiled runs and the recompile, untimed
+    if [[ $phase == pgle_seq ]]; then
+        one="--cases lm_mamba2_130m_32k" two="mesh.data=1 mesh.seq=2"
+    else
+        one="--cases lm_mamba2_130m" two="mesh.data=2 data.batch_size=16"
+    fi
+    gpu 0 run "${phase}_one_gpu" 200 $tp $one $steps $warm &
+    gpu 1 run "${phase}_one_gpu_pgle" 300 $pgle $tp $one $steps $warm &
+    wait
+    run "${phase}_two" 150 $tp $one $steps --collectives $warm --set $two
+    run "${phase}_two_pgle" 300 $pgle $tp $one $steps --collectives $warm --set $two
+    ;;
+nccl_dp)
+    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps
+    run data2_130m 130 $tp --cases lm_mamba2_130m $steps --set mesh.data=2 data.batch_size=16
+    for proto in Simple LL128; do
+        NCCL_PROTO=$proto run "data2_130m_$proto" 100 $tp --cases lm_mamba2_130m $steps --profile 30 \
+            --set mesh.data=2 data.batch_size=16
+    done
+    ;;
 big_one)
     gpu 0 run one_gpu_1_3b 500 $tp --cases lm_mamba2_1_3b --steps 10 --no-e2e --set $big &
     gpu 1 run one_gpu_2_7b 500 $tp --cases lm_mamba2_2_7b --steps 10 --no-e2e --set $big &
@@ -145,7 +174,7 @@ procs)
     run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
     ;;
 *)
-    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, big_one, tp_2_7b, tp_1_3b, procs)" >&2
     exit 2
     ;;
 esac
