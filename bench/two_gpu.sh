@@ -24,6 +24,9 @@
 #        pgle_dp   the same for 8 x 2048 a GPU, one GPU and data=2
 #        nccl_dp   one GPU and data=2 at 8 x 2048 a GPU, data=2 also under NCCL_PROTO=Simple and
 #                  =LL128 (the profiles show the all-reduces in NCCL's LL protocol)
+#        jr        the joint-recall cells jr_mamba2_none, jr_mamba2_hax, jr_mamba_hax on GPU 0 (issue
+#                  21): the step and train.py end to end, with custom calls kept out of XLA's CUDA
+#                  graphs (train.py's default) and then recorded into them
 #        big_one   Mamba-2 1.3B and 2.7B (model.remat=block), one GPU each
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
 #                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8; LHS=1: tp_* with
@@ -35,7 +38,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -50,7 +53,7 @@ run() {  # run NAME SECONDS COMMAND...: one case, logged, stopped at its limit
     echo "rc=$? $(date +%T)" >>"$out/$name.log"
     pkill -9 -f '/[t]rain[.]py ' 2>/dev/null  # no train.py of a stopped case is left on a GPU
     grep -h -A8 "^collectives of" "$out/$name.log"
-    grep -h "^| lm" "$out/$name.log" | tail -1
+    grep -h "^| lm\|^| jr" "$out/$name.log" | tail -1
     grep -h "^error\|RESOURCE_EXHAUSTED" "$out/$name.log" | tail -2
 }
 tp="python bench/train_throughput.py"  # a command (timeout runs programs, not functions)
@@ -139,6 +142,14 @@ nccl_dp)
             --set mesh.data=2 data.batch_size=16
     done
     ;;
+jr)
+    # The cells' shapes (headdim 16, d_state 32) do not suit the Mosaic GPU chunk kernels, so
+    # keeping custom calls out of the graphs buys them nothing and may cost launches.
+    cells="--cases jr_mamba2_none,jr_mamba2_hax,jr_mamba_hax --steps 50"
+    gpu 0 run jr_default 300 $tp $cells
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUSTOM_CALL gpu 0 run jr_custom_calls_in_graphs 300 \
+        $tp $cells
+    ;;
 big_one)
     gpu 0 run one_gpu_1_3b 500 $tp --cases lm_mamba2_1_3b --steps 10 --no-e2e --set $big &
     gpu 1 run one_gpu_2_7b 500 $tp --cases lm_mamba2_2_7b --steps 10 --no-e2e --set $big &
@@ -174,7 +185,7 @@ procs)
     run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
     ;;
 *)
-    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs)" >&2
     exit 2
     ;;
 esac
