@@ -141,7 +141,7 @@ def _load_takes_index():
 
 # Heads a program: 8 measured fastest from 384 programs of chunk_state (b c h / 8: one 32K
 # row of Mamba-2 130M's 24 heads, H200); below that 4 (a 16K shard of that row on seq=2, or
-# 8 x 2048: chunk_out 108 against 118 us, chunk_state 70 against 78); 2 and 1 slower everywhere.
+# 8 x 2048: chunk_out 108 against 118 us, chunk_state 70 against 78); 2 and 1 slower than 4.
 MOST_HEADS_PER_PROGRAM = 8
 MIN_PROGRAMS = 384
 
