@@ -166,7 +166,7 @@ def logical_to_spec(
     for name, size in zip(names, shape):
         if name is not None and name not in table:
             raise ValueError(f"unknown logical axis {name!r}; the rules name {tuple(table)}")
-        axes = _split_axes(None if name is None else table[name], sizes)
+        axes = split_axes(None if name is None else table[name], sizes)
         if not axes or used & set(axes) or size % math.prod(sizes[a] for a in axes):
             spec.append(None)
             continue
@@ -175,8 +175,9 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-def _split_axes(axis: str | tuple[str, ...] | None, sizes: dict) -> tuple[str, ...]:
-    """The mesh axes of size > 1 among a rule's `axis` (one name or several)."""
+def split_axes(axis: str | tuple[str, ...] | None, sizes: dict) -> tuple[str, ...]:
+    """The mesh axes of size > 1 among `axis` (a rule's or a PartitionSpec entry: None, one name or
+    several)."""
     names = () if axis is None else (axis,) if isinstance(axis, str) else axis
     return tuple(a for a in names if sizes.get(a, 1) > 1)
 
@@ -229,7 +230,7 @@ def check_param_splits(state, mesh: Mesh, rules: Rules = RULES) -> None:
     ):
         shape = _leaf(shapes, path).shape
         for name, size in zip(names, shape, strict=True):
-            axes = _split_axes(table.get(name) if name is not None else None, sizes)
+            axes = split_axes(table.get(name) if name is not None else None, sizes)
             if axes and size % math.prod(sizes[a] for a in axes) and size > 1:
                 where = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
                 over = " x ".join(f"mesh.{a}={sizes[a]}" for a in axes)

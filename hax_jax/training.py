@@ -228,21 +228,17 @@ def largest_block_bytes(abstract_params, param_shardings: dict) -> int:
     0 without blocks."""
     per_block = collections.Counter()
 
-    def add(path, leaf, sharding):
+    def add(path, leaf, named):
         if path[0].key == "layers":
+            tensor = {"tensor": named.mesh.shape.get("tensor", 1)}
             shard = [
-                size // math.prod(sharding.mesh.shape[a] for a in _axes(entry) if a == "tensor")
-                for size, entry in zip(leaf.shape, _padded(sharding.spec, leaf.ndim))
+                size // math.prod(tensor[a] for a in sharding.split_axes(entry, tensor))
+                for size, entry in zip(leaf.shape, _padded(named.spec, leaf.ndim))
             ]
             per_block[path[1].key] += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
 
     jax.tree_util.tree_map_with_path(add, nnx.to_pure_dict(abstract_params), param_shardings)
     return max(per_block.values(), default=0)
-
-
-def _axes(entry) -> tuple:
-    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _padded(spec, ndim: int) -> tuple:
