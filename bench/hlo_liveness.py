@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("hlo", nargs="+", help="optimized HLO text of a scheduled step")
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
+    if args.top < 1:
+        parser.error(f"--top must be at least 1, got {args.top}")
     for path in args.hlo:
         try:
             report(path, args.top)

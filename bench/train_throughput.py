@@ -216,6 +216,9 @@ def main() -> None:
         "--warmup", type=int, default=0, help="untimed steps after the first (e.g. for PGLE)"
     )
     args = parser.parse_args()
+    for name, least in (("steps", 1), ("warmup", 0), ("profile", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
     device = jax.devices()[0]
     header = (
         f"\n### train step throughput: {device.device_kind} ({device.platform}), "
