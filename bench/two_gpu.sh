@@ -14,6 +14,9 @@
 #        seq_memory  Mamba-2 130M 1 x 32768, one GPU, then seq=2 plain, with mesh.shard_optimizer,
 #                  with mesh.fsdp (collectives joined up to a block, the default) and with mesh.fsdp
 #                  never joined (mesh.combine_collectives=off): issue 17's memory per GPU
+#        seq_p2p   Mamba-2 130M 1 x 32768: one GPU, then seq=2 with NCCL's collective-permutes and
+#                  with XLA's local peer-to-peer copies instead (--xla_gpu_use_memcpy_local_p2p;
+#                  one process drives both GPUs), plain and with mesh.shard_optimizer
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
 #                  blocks, e.g. 4: each block's cost in about 2 minutes instead of 9)
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
@@ -38,7 +41,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -107,6 +110,18 @@ seq_memory)
     run seq2_32k_fsdp 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2 mesh.fsdp=true
     run seq2_32k_fsdp_unjoined 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
         --set $seq2 mesh.fsdp=true mesh.combine_collectives=off
+    ;;
+seq_p2p)
+    # Each SSD state and conv halo crosses between the shards as a small collective-permute whose
+    # latency the seq=2 profiles show exposed; a copy between the GPUs skips NCCL's launch.
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps
+    seq2="mesh.data=1 mesh.seq=2"
+    p2p="--xla_gpu_use_memcpy_local_p2p=true"
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
+    XLA_FLAGS=$p2p run seq2_32k_memcpy_p2p 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
+        --profile 400 --set $seq2
+    XLA_FLAGS=$p2p run seq2_32k_shard_optimizer_memcpy_p2p 150 $tp --cases lm_mamba2_130m_32k \
+        $steps --collectives --set $seq2 mesh.shard_optimizer=true
     ;;
 seq_hax)
     # Both HAX steps profiled with their HLOs, for bench/kernel_attribution.py (seq=2 took 1.50x

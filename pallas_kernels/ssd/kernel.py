@@ -375,6 +375,25 @@ def _pass_kernel(s_ref, decay_ref, h0_ref, *refs, reverse):
     last_ref[...] = jax.lax.fori_loop(0, num, body, h0_ref[...])
 
 
+# Rows of p a state-passing program: each program walks all chunks in order, one (rows, n) tile
+# a step, so its loads wait on each other; only many programs hide that latency. Reading one 16K
+# shard's chunk states (1 x 64 x 24 x 64 x 128 fp32, H200): 54 us with 16 rows (96 programs),
+# 31 with 8, 18 with 4, 17 with 2 (768 programs); einsum's reduction over them 14.
+MOST_STATE_ROWS = 16
+MIN_STATE_PROGRAMS = 512
+
+
+def _state_rows(prep, programs_per_row, p):
+    """Rows of p per state-passing program: BlockSizes.state_rows (at most p), else 16, halved
+    down to 2 while the grid has fewer than MIN_STATE_PROGRAMS programs."""
+    if prep.sizes.state_rows is not None:
+        return min(p, prep.sizes.state_rows)
+    rows = min(p, MOST_STATE_ROWS)
+    while rows > 2 and programs_per_row * (p // rows) < MIN_STATE_PROGRAMS:
+        rows //= 2
+    return rows
+
+
 def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
     """(carries (b, c, h, p', n') of the linear recurrence over chunks, last carry, and with
     `other` (b, c, h, p', n') the per-chunk sums of carries * other (b, h, c), else None).
@@ -384,9 +403,9 @@ def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
     dtype too): bf16 inputs halve this largest traffic of the state path. The last carry (the
     final state) stays fp32.
 
-    gpu: a Pallas kernel, one program per (b, h, block of 16 rows of p) with the carry in
-    registers (splitting p: b h programs alone are too few to hide the loads' latency); tpu:
-    a lax.scan."""
+    gpu: a Pallas kernel, one program per (b, h, block of rows of p: `_state_rows`) with the
+    carry in registers (splitting p: b h programs alone are too few to hide the loads'
+    latency); tpu: a lax.scan."""
     if not prep.layout.gpu:
 
         def step(carry_bhpn, inputs):
@@ -401,7 +420,7 @@ def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
             dots = jnp.einsum("bchpn,bchpn->bhc", out, other.astype(F32))
         return out.astype(prep.mm_dtype), last, dots
     b, c, h, p, n = s_bchpn.shape
-    bp = min(p, 16)
+    bp = _state_rows(prep, b * h, p)
     grid = (b, h, p // bp)
     state = pl.BlockSpec((None, None, bp, n), lambda bi, hi, pi: (bi, hi, pi, 0))
     chunks = pl.BlockSpec((None, c, None, bp, n), lambda bi, hi, pi: (bi, 0, hi, pi, 0))

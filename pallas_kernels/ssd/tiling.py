@@ -26,6 +26,8 @@ class BlockSizes:
     num_stages_bwd: int | None = None  # the same for the backward kernels (gpu only)
     heads_per_program: int | None = None  # heads of one group per Mosaic GPU chunk_state /
     # chunk_out program (divides heads // groups); None: kernel_mgpu's choice for the grid
+    state_rows: int | None = None  # rows of p per state-passing program (a power of two; gpu
+    # only); None: kernel.py's choice for the grid
     mosaic_gpu: bool | None = None  # chunk_state / chunk_out by Mosaic GPU (kernel_mgpu.py)
     # instead of Triton: None = on Hopper when the inputs suit them (bf16 / f16, p and n
     # multiples of 64, chunk a multiple of 128); True forces them (interpreted on CPU)
@@ -65,6 +67,7 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
         tile_bwd=sizes.tile_bwd or tile,
         heads_per_block=sizes.heads_per_block or _default_heads_per_block(heads_per_group),
         heads_per_program=sizes.heads_per_program,
+        state_rows=sizes.state_rows,
         num_warps=sizes.num_warps or 4,
         num_warps_bwd=sizes.num_warps_bwd or 4,
         num_stages=sizes.num_stages or 2,
@@ -84,6 +87,8 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
                 f"block_sizes.{name} must divide the heads per group = {heads_per_group}, "
                 f"got {value}"
             )
+    if sizes.state_rows is not None and sizes.state_rows & (sizes.state_rows - 1):
+        raise ValueError(f"block_sizes.state_rows must be a power of two, got {sizes.state_rows}")
     return sizes
 
 

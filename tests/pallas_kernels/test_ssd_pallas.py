@@ -5,13 +5,16 @@ interpret mode at a tiny shape); both are also cross-lowered for "cuda" and "tpu
 realistic shape. The gpu-marked tests run the compiled Triton kernels.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.backend import lower_for
-from pallas_kernels.ssd import BlockSizes, ssd
+from pallas_kernels.ssd import BlockSizes, kernel, ssd
+from pallas_kernels.ssd.tiling import resolve_block_sizes
 
 # Max abs error relative to the largest reference magnitude, per input dtype (forward and every
 # gradient). bf16: the kernels feed bf16 to the matmuls (as mamba_ssm does) while the reference
@@ -74,12 +77,17 @@ def flat(out_and_grads):
 
 
 @pytest.mark.parametrize(
-    "g, seq, dtype",
-    [(1, False, jnp.float32), (2, True, jnp.float32), (1, True, jnp.bfloat16)],
+    "g, seq, dtype, state_rows",
+    [
+        (1, False, jnp.float32, None),
+        (2, True, jnp.float32, 16),
+        (1, True, jnp.bfloat16, None),
+    ],
 )
-def test_gpu_variant_interpreted(g, seq, dtype):
+def test_gpu_variant_interpreted(g, seq, dtype, state_rows):
     """l = 37 pads the last chunk; chunk 16 in tiles of 8 runs the cross-tile loops; p = 3 and
-    n = 5 are zero-padded to 16; seq_idx has boundaries inside and on chunk edges."""
+    n = 5 are zero-padded to 16; seq_idx has boundaries inside and on chunk edges. The states
+    pass over chunks in programs of 2 rows of p (the default for this small grid) or 16."""
     inputs, cts = make_inputs(2, 37, 4, 3, g, 5, dtype)
     seq_idx = jnp.asarray(SEQ_IDX) if seq else None
     ref = value_and_grads(inputs, cts, seq_idx, chunk_size=16, impl="chunked")
@@ -90,10 +98,29 @@ def test_gpu_variant_interpreted(g, seq, dtype):
         chunk_size=16,
         impl="pallas",
         variant="gpu",
-        block_sizes=BlockSizes(tile=8, tile_bwd=8, heads_per_block=2),
+        block_sizes=BlockSizes(tile=8, tile_bwd=8, heads_per_block=2, state_rows=state_rows),
         interpret=True,
     )
     assert_matches(flat(got), flat(ref), dtype)
+
+
+@pytest.mark.parametrize(
+    "b, h, p, set_to, want",
+    [
+        (8, 24, 64, None, 16),  # 8 x 2048 of Mamba-2 130M: 768 programs of 16 rows
+        (1, 24, 64, None, 2),  # one long row: 96 programs of 16 rows would leave loads waiting
+        (2, 80, 64, None, 16),  # 2.7B's 80 heads, two rows
+        (1, 80, 64, None, 8),  # one row of them: 640 programs at 8 rows
+        (1, 24, 16, None, 2),  # p padded to 16
+        (1, 24, 64, 8, 8),  # BlockSizes.state_rows decides when given
+        (1, 24, 16, 32, 16),  # at most p
+    ],
+)
+def test_state_rows(b, h, p, set_to, want):
+    """Rows of p a state-passing program: 16, halved (down to 2) while the grid has fewer than
+    MIN_STATE_PROGRAMS programs."""
+    sizes = resolve_block_sizes("gpu", 256, h, BlockSizes(state_rows=set_to))
+    assert kernel._state_rows(types.SimpleNamespace(sizes=sizes), b * h, p) == want
 
 
 @pytest.mark.parametrize("heads_per_program", [None, 1])
@@ -170,6 +197,8 @@ def test_bad_inputs_are_named():
         ValueError, match="block_sizes.tile_bwd must divide chunk_size = 16, got 12"
     ):
         ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(tile_bwd=12))
+    with pytest.raises(ValueError, match="block_sizes.state_rows must be a power of two, got 3"):
+        ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(state_rows=3))
     for field, value in (("heads_per_block", 4), ("heads_per_program", 3)):
         with pytest.raises(
             ValueError, match=f"{field} must divide the heads per group = 2, got {value}"
