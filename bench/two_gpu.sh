@@ -17,6 +17,8 @@
 #        seq_p2p   Mamba-2 130M 1 x 32768: one GPU, then seq=2 with NCCL's collective-permutes and
 #                  with XLA's local peer-to-peer copies instead (--xla_gpu_use_memcpy_local_p2p;
 #                  one process drives both GPUs), plain and with mesh.shard_optimizer
+#        seq_ab    Mamba-2 130M 1 x 32768, one GPU and seq=2, for this tree and for the commit BASE=REV
+#                  (a git worktree in /tmp/hax_base), one GPU each side by side, then seq=2 for both
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
 #                  blocks, e.g. 4: each block's cost in about 2 minutes instead of 9)
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
@@ -41,7 +43,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_ab, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -122,6 +124,17 @@ seq_p2p)
         --profile 400 --set $seq2
     XLA_FLAGS=$p2p run seq2_32k_shard_optimizer_memcpy_p2p 150 $tp --cases lm_mamba2_130m_32k \
         $steps --collectives --set $seq2 mesh.shard_optimizer=true
+    ;;
+seq_ab)
+    base_tree=/tmp/hax_base
+    git worktree add -f --detach "$base_tree" "${BASE:?BASE=REV: the commit to compare with}" >/dev/null
+    base_tp="env PYTHONPATH=$base_tree:${PYTHONPATH:-} python $base_tree/bench/train_throughput.py"
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps &
+    gpu 1 run one_gpu_32k_base 200 $base_tp --cases lm_mamba2_130m_32k $steps &
+    wait
+    seq2="mesh.data=1 mesh.seq=2"
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
+    run seq2_32k_base 150 $base_tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
     ;;
 seq_hax)
     # Both HAX steps profiled with their HLOs, for bench/kernel_attribution.py (seq=2 took 1.50x
