@@ -443,7 +443,7 @@ def _pass(prep, s_bchpn, h0_bhpn, *, reverse, other=None, interpret=None):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
+        compiler_params=compiler_params("gpu", num_warps=prep.sizes.state_warps, num_stages=1),
         interpret=interpret_for("gpu", interpret),
     )(*args)
     dots = None if other is None else outs[2].sum(axis=2)

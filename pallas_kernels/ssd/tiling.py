@@ -28,6 +28,7 @@ class BlockSizes:
     # chunk_out program (divides heads // groups); None: kernel_mgpu's choice for the grid
     state_rows: int | None = None  # rows of p per state-passing program (a power of two; gpu
     # only); None: kernel.py's choice for the grid
+    state_warps: int | None = None  # Triton warps per state-passing program (gpu only)
     mosaic_gpu: bool | None = None  # chunk_state / chunk_out by Mosaic GPU (kernel_mgpu.py)
     # instead of Triton: None = on Hopper when the inputs suit them (bf16 / f16, p and n
     # multiples of 64, chunk a multiple of 128); True forces them (interpreted on CPU)
@@ -68,6 +69,7 @@ def resolve_block_sizes(variant, chunk_size, heads_per_group, block_sizes=None):
         heads_per_block=sizes.heads_per_block or _default_heads_per_block(heads_per_group),
         heads_per_program=sizes.heads_per_program,
         state_rows=sizes.state_rows,
+        state_warps=sizes.state_warps or 4,
         num_warps=sizes.num_warps or 4,
         num_warps_bwd=sizes.num_warps_bwd or 4,
         num_stages=sizes.num_stages or 2,

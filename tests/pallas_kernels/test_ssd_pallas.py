@@ -205,8 +205,10 @@ def test_bad_inputs_are_named():
         ):
             sizes = BlockSizes(**{field: value})
             ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=sizes)
-    with pytest.raises(ValueError, match="block_sizes.num_warps must be a positive int, got 0"):
-        ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=BlockSizes(num_warps=0))
+    for field in ("num_warps", "state_warps"):
+        with pytest.raises(ValueError, match=f"block_sizes.{field} must be a positive int, got 0"):
+            sizes = BlockSizes(**{field: 0})
+            ssd(*pos, chunk_size=16, impl="pallas", variant="gpu", block_sizes=sizes)
     with pytest.raises(ValueError, match="block_sizes.mosaic_gpu must be None or a bool, got 1"):
         ssd(*pos, chunk_size=16, impl="pallas", block_sizes=BlockSizes(mosaic_gpu=1))
     with pytest.raises(ValueError, match="mosaic_gpu=True needs the gpu variant, got 'tpu'"):
