@@ -20,7 +20,7 @@ from bench.ssd_kernel import CHUNK, FWD_BWD, make_inputs
 from bench.timing import emit, kernel_summary_us, median_ms, pipelined_ms, write_rows
 from pallas_kernels.ssd import kernel as triton
 from pallas_kernels.ssd import kernel_mgpu as mgpu
-from pallas_kernels.ssd import pallas
+from pallas_kernels.ssd import pallas, state_passing
 from pallas_kernels.ssd.tiling import resolve_block_sizes
 
 KERNELS = {
@@ -47,7 +47,7 @@ def incoming_states(args, sizes):
     def run(x, dt, A, B, C, D):
         prep = pallas.Prepared(x, dt, A, B, C, D, None, CHUNK, "gpu", sizes)
         S = triton.chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B)
-        return triton.pass_states(prep, S, pallas.pad_state(prep, None))[0]
+        return state_passing.pass_states(prep, S, pallas.pad_state(prep, None))[0]
 
     return jax.jit(run)(*args)
 

@@ -17,7 +17,8 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers import init
-from hax_jax.parallel import per_device, sequence_cumsum, sparse_attention_sequence_parallel
+from hax_jax.parallel import per_device
+from hax_jax.parallel_sparse import sequence_cumsum, sparse_attention_sequence_parallel
 from pallas_kernels.sparse_attention import (
     SparseAttentionCache,
     init_cache,
@@ -26,9 +27,9 @@ from pallas_kernels.sparse_attention import (
 )
 from pallas_kernels.sparse_attention.spec import selected
 
-# The logical axes of each argument of the parallel op (parallel.sparse_attention_sequence_parallel)
-# and of its output: a device attends for its batch rows and its slice of e (q, k whole); a split
-# "seq" is the op's own to combine.
+# The logical axes of each argument of the parallel op
+# (parallel_sparse.sparse_attention_sequence_parallel) and of its output: a device attends for its
+# batch rows and its slice of e (q, k whole); a split "seq" is the op's own to combine.
 ATTEND_AXES = {
     "q": ("batch", "seq", None),
     "k": ("batch", "seq", None),

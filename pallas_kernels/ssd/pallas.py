@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from . import kernel, kernel_mgpu
-from .kernel import F32, call, chunk_outputs, chunk_states, pass_state_grads, pass_states
+from .kernel import F32, call, chunk_outputs, chunk_states
 from .reference import run_ids
+from .state_passing import pass_state_grads, pass_states
 from .tiling import Layout
 
 

@@ -27,7 +27,7 @@ class BlockSizes:
     heads_per_program: int | None = None  # heads of one group per Mosaic GPU chunk_state /
     # chunk_out program (divides heads // groups); None: kernel_mgpu's choice for the grid
     state_rows: int | None = None  # rows of p per state-passing program (a power of two; gpu
-    # only); None: kernel.py's choice for the grid
+    # only); None: state_passing.py's choice for the grid
     state_warps: int | None = None  # Triton warps per state-passing program (gpu only)
     mosaic_gpu: bool | None = None  # chunk_state / chunk_out by Mosaic GPU (kernel_mgpu.py)
     # instead of Triton: None = on Hopper when the inputs suit them (bf16 / f16, p and n

@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels.backend import lower_for
 from pallas_kernels.ssd import kernel as triton
 from pallas_kernels.ssd import kernel_mgpu as mgpu
-from pallas_kernels.ssd import pallas
+from pallas_kernels.ssd import pallas, state_passing
 from pallas_kernels.ssd.tiling import BlockSizes, resolve_block_sizes
 
 # Max abs error relative to the largest Triton magnitude. States: both sides multiply the same
@@ -70,7 +70,7 @@ def test_chunk_outputs_interpreted():
     seq_idx = jnp.asarray(np.repeat([0, 1], [300, 212])[None].astype(np.int32))
     prep = prepared(1, 512, 8, 2, 64, 256, seq_idx=seq_idx)
     S = triton.chunk_states(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=True)
-    h_in, _ = triton.pass_states(prep, S, pallas.pad_state(prep, None), True)
+    h_in, _ = state_passing.pass_states(prep, S, pallas.pad_state(prep, None), True)
     want = triton.chunk_outputs(prep, h_in, interpret=True)
     got = mgpu.chunk_outputs_mgpu(prep, h_in, interpret=True)
     assert got.dtype == want.dtype
@@ -141,7 +141,7 @@ def test_lowers_for_cuda():
     def forward(x, dt, A, B, C, D):
         prep = pallas.Prepared(x, dt, A, B, C, D, None, 256, "gpu", sizes)
         S_ = mgpu.chunk_states_mgpu(prep, prep.x, prep.w_state * prep.dt, prep.B, interpret=False)
-        h_in, _ = triton.pass_states(prep, S_, pallas.pad_state(prep, None), False)
+        h_in, _ = state_passing.pass_states(prep, S_, pallas.pad_state(prep, None), False)
         return mgpu.chunk_outputs_mgpu(prep, h_in, interpret=False)
 
     try:
@@ -181,6 +181,6 @@ def test_compiled_matches_triton(g, documents):
     prep = prepared(b, l, h, g, n, 256, seq_idx=seq_idx)
     want, got = states_both(prep, interpret=None)
     assert_scaled_close(got, want, STATE_TOL, "states")
-    h_in, _ = triton.pass_states(prep, want, pallas.pad_state(prep, None))
+    h_in, _ = state_passing.pass_states(prep, want, pallas.pad_state(prep, None))
     want_y = triton.chunk_outputs(prep, h_in)
     assert_scaled_close(mgpu.chunk_outputs_mgpu(prep, h_in), want_y, OUT_TOL, "y")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.backend import lower_for
-from pallas_kernels.ssd import BlockSizes, kernel, ssd
+from pallas_kernels.ssd import BlockSizes, ssd, state_passing
 from pallas_kernels.ssd.tiling import resolve_block_sizes
 
 # Max abs error relative to the largest reference magnitude, per input dtype (forward and every
@@ -120,7 +120,7 @@ def test_state_rows(b, h, p, set_to, want):
     """Rows of p a state-passing program: 16, halved (down to 2) while the grid has fewer than
     MIN_STATE_PROGRAMS programs."""
     sizes = resolve_block_sizes("gpu", 256, h, BlockSizes(state_rows=set_to))
-    assert kernel._state_rows(types.SimpleNamespace(sizes=sizes), b * h, p) == want
+    assert state_passing._state_rows(types.SimpleNamespace(sizes=sizes), b * h, p) == want
 
 
 @pytest.mark.parametrize("heads_per_program", [None, 1])
