@@ -17,6 +17,9 @@
 #        seq_p2p   Mamba-2 130M 1 x 32768: one GPU, then seq=2 with NCCL's collective-permutes and
 #                  with XLA's local peer-to-peer copies instead (--xla_gpu_use_memcpy_local_p2p;
 #                  one process drives both GPUs), plain and with mesh.shard_optimizer
+#        seq_latency  Mamba-2 130M 1 x 32768: one GPU, then seq=2 plain, with NCCL's low-latency
+#                  protocol for peer-to-peer messages up to 1 MiB (the SSD states, 768 KiB; the
+#                  conv halos, 10.5 KiB, take it already), and under PGLE
 #        seq_ab    Mamba-2 130M 1 x 32768, one GPU and seq=2, for this tree and for the commit BASE=REV
 #                  (a git worktree in /tmp/hax_base), one GPU each side by side, then seq=2 for both
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
@@ -43,7 +46,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_ab, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
+phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -124,6 +127,17 @@ seq_p2p)
         --profile 400 --set $seq2
     XLA_FLAGS=$p2p run seq2_32k_shard_optimizer_memcpy_p2p 150 $tp --cases lm_mamba2_130m_32k \
         $steps --collectives --set $seq2 mesh.shard_optimizer=true
+    ;;
+seq_latency)
+    # The 96 collective-permutes of a seq=2 step are small and on the critical path: NCCL sends
+    # messages over 16 KiB with its Simple protocol, whose latency the LL protocol undercuts.
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps
+    seq2="mesh.data=1 mesh.seq=2"
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 --set $seq2
+    NCCL_P2P_LL_THRESHOLD=1048576 run seq2_32k_p2p_ll 120 $tp --cases lm_mamba2_130m_32k $steps \
+        --profile 400 --set $seq2
+    run seq2_32k_pgle 300 env JAX_ENABLE_PGLE=yes JAX_PGLE_PROFILING_RUNS=3 $tp \
+        --cases lm_mamba2_130m_32k $steps --warmup 5 --set $seq2
     ;;
 seq_ab)
     base_tree=/tmp/hax_base
