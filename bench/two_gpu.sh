@@ -39,7 +39,9 @@
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
 #                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8; LHS=1: tp_* with
 #                  XLA's latency-hiding scheduler, logged as tensor2_<size>_lhs)
-#        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch)
+#        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch),
+#                  for CASE (default lm_mamba2_130m) on the 2-GPU mesh TWO (default "mesh.data=2
+#                  data.batch_size=16"; e.g. CASE=lm_mamba2_130m_32k TWO="mesh.data=1 mesh.seq=2")
 #
 # One-GPU cases of a phase run side by side, one per GPU (CUDA_VISIBLE_DEVICES), then its 2-GPU cases
 # one at a time. Every case's log goes to OUTDIR/<case>.log; a case past its time limit is stopped and
@@ -221,13 +223,14 @@ tp_2_7b | tp_1_3b)
     ;;
 procs)
     # four windows each: the one-GPU baseline's two windows were 6% apart (eleventh session)
-    mp="python bench/multiprocess_throughput.py --case lm_mamba2_130m --steps 20 --windows 4"
+    mp="python bench/multiprocess_throughput.py --case ${CASE:-lm_mamba2_130m} --steps 20 --windows 4"
+    two=${TWO:-mesh.data=2 data.batch_size=16}
     gpu 0 run e2e_one_gpu 170 $mp --processes 1
-    run e2e_1proc_data2 170 $mp --processes 1 --set mesh.data=2 data.batch_size=16
-    run e2e_2proc_data2 200 $mp --processes 2 --set mesh.data=2 data.batch_size=16
+    run e2e_1proc_two 170 $mp --processes 1 --set $two
+    run e2e_2proc_two 200 $mp --processes 2 --set $two
     ;;
 *)
-    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs)" >&2
     exit 2
     ;;
 esac
