@@ -160,7 +160,7 @@ class MeshConfig:
     # of small all-reduces. "block": joined up to the largest block's parameter bytes on
     # a device before fsdp's split (2 x H200, seq=2: Mamba-2 32K 89.70 ms against 92.59 unjoined and
     # 88.74 unlimited; HAX 1M tokens fit, 89.9 GiB a GPU; HAX 64K holds 9.10 GiB of temporaries a
-    # GPU, 6.81 unjoined; BENCHMARKS.md, tenth and twelfth sessions). "auto": "block" where GPUs
+    # GPU, 6.81 unjoined; BENCHMARKS.md, "Multi-GPU training step"). "auto": "block" where GPUs
     # split the sequence, XLA's default otherwise. "on": XLA's default everywhere; "off": never
     # joined (the least memory). "off" and "block" are XLA:GPU settings, refused elsewhere.
     combine_collectives: Literal["auto", "on", "off", "block"] = "auto"
