@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> dict:
 
     results = {}
     for task in args.tasks:
-        _write(results, args.output)  # what is done so far survives a later task's failure
+        if results:  # what is done so far survives a later task's failure
+            _write(results, args.output)
         if task in ("joint_recall", "mqar"):
             results[task] = heldout.recall(
                 model, cfg, task, split=args.split, batch_size=args.batch_size

@@ -230,7 +230,7 @@ class Runner:
                 return f"{why} (see {run.path / 'train.log'})"
             print(f"{run.path.name}: trained steps {start + 1}-{step}", flush=True)
         result = run.result_file(step)
-        if not result.exists():
+        if not _evaluated(run, step):
             evaluate = [sys.executable, str(ROOT / "eval.py"), str(run.path), "--tasks", run.task]
             flags = ["--split", "test", "--batch-size", str(run.eval_batch_size)]
             code = self._call(
@@ -238,7 +238,7 @@ class Runner:
             )
             if code == "stopped":
                 return "not evaluated (stopped)"
-            if code != 0 or not result.exists():
+            if code != 0 or not _evaluated(run, step):
                 return f"eval.py exited with {code} (see {run.path / 'eval.log'})"
         return "done"
 
@@ -267,6 +267,18 @@ class Runner:
             self.stopped_by = signal.Signals(signum).name
             for proc in self.live:
                 proc.send_signal(signal.SIGTERM)
+
+
+def _evaluated(run: Run, step: int) -> bool:
+    """Whether eval.py's output for `step` holds the run's task: a file without it (an eval.py
+    stopped before the task finished, e.g. by a sitting's time limit) does not count."""
+    path = run.result_file(step)
+    if not path.exists():
+        return False
+    try:
+        return run.task in json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
 
 
 # ----------------------------------------------------------------------------- results
