@@ -22,11 +22,9 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernel_attribution import hlo_sources
+from bench.kernel_attribution import hlo_sources, profiler_name
+from bench.timing import array_bytes
 
-BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-ARRAY = re.compile(r"\b(" + "|".join(BYTES) + r")\[([\d,]*)\]")
 INSTRUCTION = re.compile(r"\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 ALIASES = {"bitcast", "get-tuple-element", "tuple", "parameter", "constant"}
 
@@ -52,17 +50,6 @@ def entry_instructions(text: str) -> list[Instruction]:
             arguments = re.split(r"\), [a-z_]+=", m[4])[0]  # drop attributes (calls=, ...)
             out.append(Instruction(m[1], m[2], m[3], re.findall(r"%([\w.\-]+)", arguments), line))
     return out
-
-
-def array_bytes(shape: str) -> list[int]:
-    """Bytes of each array in a result type, in order."""
-    sizes = []
-    for dtype, dims in ARRAY.findall(shape):
-        size = BYTES[dtype]
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        sizes.append(size)
-    return sizes
 
 
 def buffers(instructions: list[Instruction]) -> tuple[dict, dict, dict]:
@@ -107,23 +94,28 @@ def peak(size: dict, made: dict, last: dict) -> tuple[int, int, list[str]]:
 
 
 def report(path: str, top: int) -> None:
-    """Prints the peak, its largest buffers and its bytes per source line."""
-    with open(path) as f:
-        instructions = entry_instructions(f.read())
+    """Prints the peak, its largest buffers and its bytes per source line; SystemExit naming a
+    file that cannot be read."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise SystemExit(f"error: cannot read {path}: {e.strerror}") from None
+    instructions = entry_instructions(text)
     size, made, last = buffers(instructions)
     best, at, live = peak(size, made, last)
     sources = hlo_sources(path)
     print(f"{path}: peak {best / 2**30:.2f} GiB at instruction {at} of {len(instructions)}")
     for buffer in sorted(live, key=size.get, reverse=True)[:top]:
         ins = instructions[made[buffer]]
-        source = sources.get(re.sub(r"[.\-]", "_", ins.name), "?")
+        source = sources.get(profiler_name(ins.name), "?")
         print(
             f"  {size[buffer] / 2**20:9.1f} MiB  made {made[buffer]:6d}  last read "
             f"{last[buffer]:6d}  {ins.op:16s} {source}"
         )
     by_source = collections.Counter()
     for buffer in live:
-        by_source[sources.get(re.sub(r"[.\-]", "_", buffer.split("#")[0]), "?")] += size[buffer]
+        by_source[sources.get(profiler_name(buffer.split("#")[0]), "?")] += size[buffer]
     print("  live bytes per source line:")
     for source, nbytes in by_source.most_common(top):
         print(f"  {nbytes / 2**20:9.1f} MiB  {source}")
@@ -139,8 +131,6 @@ def main() -> None:
     for path in args.hlo:
         try:
             report(path, args.top)
-        except OSError as e:
-            raise SystemExit(f"error: cannot read {path}: {e.strerror}") from None
         except StopIteration:
             raise SystemExit(f"error: {path} has no ENTRY computation") from None
 

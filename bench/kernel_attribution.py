@@ -20,6 +20,11 @@ FRAME_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 OURS = ("hax_jax/", "pallas_kernels/")
 
 
+def profiler_name(instruction: str) -> str:
+    """An HLO instruction's name as the profiler writes its kernel ("fusion.12" -> "fusion_12")."""
+    return re.sub(r"[.\-]", "_", instruction)
+
+
 def hlo_sources(path: str) -> dict[str, str]:
     """{instruction name as the profiler writes it: innermost hax_jax / pallas_kernels frame
     ("file:line:function"), or "op:<jax primitive>" where the stack has none of ours}."""
@@ -41,7 +46,7 @@ def hlo_sources(path: str) -> dict[str, str]:
             if m:
                 op = re.search(r'op_name="([^"]*)"', m[2])
                 frame = re.search(r"stack_frame_id=(\d+)", m[2])
-                name = re.sub(r"[.\-]", "_", m[1])
+                name = profiler_name(m[1])
                 metadata[name] = (op[1] if op else "", int(frame[1]) if frame else 0)
     files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
     functions = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}

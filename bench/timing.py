@@ -239,18 +239,25 @@ def write_rows(path: str | None, rows: list) -> None:
             json.dump(dict(device=str(jax.devices()[0].device_kind), rows=rows), f, indent=1)
 
 
+def array_bytes(type_text: str) -> list[int]:
+    """Bytes of each array in an HLO result type, e.g. "(f32[2,3]{1,0}, bf16[4]{0})", in order."""
+    sizes = []
+    for dtype, dims in _ARRAY.findall(re.sub(r"\{.*?\}", "", type_text)):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        bits = 8 if dtype == "pred" else int(_BITS.search(dtype).group())
+        sizes.append(size * bits // 8)
+    return sizes
+
+
 def collectives_by_kind(hlo: str) -> dict[str, tuple[int, int]]:
     """{kind: (count, bytes of their results)} of the collectives in optimized HLO text."""
     totals = collections.defaultdict(lambda: [0, 0])
     for match in _COLLECTIVE.finditer(hlo):
         kind = match.group(2)
         totals[kind][0] += 1
-        for dtype, dims in _ARRAY.findall(re.sub(r"\{.*?\}", "", match.group(1))):
-            size = 1
-            for d in filter(None, dims.split(",")):
-                size *= int(d)
-            bits = 8 if dtype == "pred" else int(_BITS.search(dtype).group())
-            totals[kind][1] += size * bits // 8
+        totals[kind][1] += sum(array_bytes(match.group(1)))
     return {kind: (count, size) for kind, (count, size) in sorted(totals.items())}
 
 

@@ -48,7 +48,9 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phase=${1:?phase: dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b or procs}
+phases="dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq"
+phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs"
+phase=${1:?phase: one of $phases}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
@@ -230,7 +232,7 @@ procs)
     run e2e_2proc_two 200 $mp --processes 2 --set $two
     ;;
 *)
-    echo "error: unknown phase '$phase' (dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq, pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs)" >&2
+    echo "error: unknown phase '$phase' (one of $phases)" >&2
     exit 2
     ;;
 esac

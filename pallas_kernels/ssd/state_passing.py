@@ -39,13 +39,13 @@ MOST_STATE_ROWS = 16
 MIN_STATE_PROGRAMS = 512
 
 
-def _state_rows(prep, programs_per_row, p):
+def _state_rows(prep, batch_heads, p):
     """Rows of p per state-passing program: BlockSizes.state_rows (at most p), else 16, halved
     down to 2 while the grid has fewer than MIN_STATE_PROGRAMS programs."""
     if prep.sizes.state_rows is not None:
         return min(p, prep.sizes.state_rows)
     rows = min(p, MOST_STATE_ROWS)
-    while rows > 2 and programs_per_row * (p // rows) < MIN_STATE_PROGRAMS:
+    while rows > 2 and batch_heads * (p // rows) < MIN_STATE_PROGRAMS:
         rows //= 2
     return rows
 
