@@ -19,9 +19,11 @@
 #                  one process drives both GPUs), plain and with mesh.shard_optimizer
 #        seq_latency  Mamba-2 130M 1 x 32768: one GPU, then seq=2 plain, with NCCL's low-latency
 #                  protocol for peer-to-peer messages up to 1 MiB (the SSD states, 768 KiB; the
-#                  conv halos, 10.5 KiB, take it already), and under PGLE
-#        seq_ab    Mamba-2 130M 1 x 32768, one GPU and seq=2, for this tree and for the commit BASE=REV
-#                  (a git worktree in /tmp/hax_base), one GPU each side by side, then seq=2 for both
+#                  conv halos, 10.5 KiB, take it already), under XLA's latency-hiding scheduler,
+#                  and under PGLE
+#        seq_ab    Mamba-2 130M 1 x 32768, one GPU and seq=2, for this tree and for the commits
+#                  BASE="REV [REV...]" (git worktrees in /tmp/hax_base_REV): one GPU for this tree
+#                  and the first REV side by side, then seq=2 for each
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
 #                  blocks, e.g. 4: each block's cost in about 2 minutes instead of 9)
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
@@ -140,19 +142,30 @@ seq_latency)
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 --set $seq2
     NCCL_P2P_LL_THRESHOLD=1048576 run seq2_32k_p2p_ll 120 $tp --cases lm_mamba2_130m_32k $steps \
         --profile 400 --set $seq2
+    # XLA's latency-hiding scheduler (off by default on GPUs) may move independent work, such as
+    # the weight gradients, between a collective-permute's start and its end.
+    XLA_FLAGS=$lhs_flags run seq2_32k_lhs 150 $tp --cases lm_mamba2_130m_32k $steps --profile 400 \
+        --set $seq2
     run seq2_32k_pgle 300 env JAX_ENABLE_PGLE=yes JAX_PGLE_PROFILING_RUNS=3 $tp \
         --cases lm_mamba2_130m_32k $steps --warmup 5 --set $seq2
     ;;
 seq_ab)
-    base_tree=/tmp/hax_base
-    git worktree add -f --detach "$base_tree" "${BASE:?BASE=REV: the commit to compare with}" >/dev/null
-    base_tp="env PYTHONPATH=$base_tree:${PYTHONPATH:-} python $base_tree/bench/train_throughput.py"
+    bases=(${BASE:?BASE=REV [REV...]: the commits to compare with})
+    base_tp() {  # base_tp REV: train_throughput.py of a worktree of REV, made once
+        local tree=/tmp/hax_base_$1
+        [[ -d $tree ]] || git worktree add -f --detach "$tree" "$1" >/dev/null
+        echo "env PYTHONPATH=$tree:${PYTHONPATH:-} python $tree/bench/train_throughput.py"
+    }
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps &
-    gpu 1 run one_gpu_32k_base 200 $base_tp --cases lm_mamba2_130m_32k $steps &
+    gpu 1 run "one_gpu_32k_${bases[0]}" 200 $(base_tp "${bases[0]}") --cases lm_mamba2_130m_32k \
+        $steps &
     wait
     seq2="mesh.data=1 mesh.seq=2"
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
-    run seq2_32k_base 150 $base_tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
+    for rev in "${bases[@]}"; do
+        run "seq2_32k_$rev" 150 $(base_tp "$rev") --cases lm_mamba2_130m_32k $steps --collectives \
+            --set $seq2
+    done
     ;;
 seq_hax)
     # Both HAX steps profiled with their HLOs, for bench/kernel_attribution.py (seq=2 took 1.50x

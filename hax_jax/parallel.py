@@ -172,7 +172,12 @@ def from_previous_shard(tail: jax.Array, first: jax.Array) -> jax.Array:
     if shards == 1:
         return first
     moved = received(jax.lax.ppermute(tail, SEQ, [(s, s + 1) for s in range(shards - 1)]))
-    return jnp.where(jax.lax.axis_index(SEQ) == 0, first, moved)
+    return on_first_shard(first, moved)
+
+
+def on_first_shard(first: jax.Array, other: jax.Array) -> jax.Array:
+    """`first` on shard 0 of "seq", `other` on the others (inside a map over the shards)."""
+    return jnp.where(jax.lax.axis_index(SEQ) == 0, first, other)
 
 
 def from_earlier_shards(x: jax.Array, axis: int) -> jax.Array:

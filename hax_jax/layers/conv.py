@@ -5,7 +5,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hax_jax.layers.init import torch_linear_init
-from hax_jax.parallel import from_last_shard, from_previous_shard, per_device, seq_shards
+from hax_jax.parallel import (
+    from_last_shard,
+    from_previous_shard,
+    on_first_shard,
+    per_device,
+    seq_shards,
+)
 
 
 class CausalConv1d(nnx.Module):
@@ -65,9 +71,11 @@ class CausalConv1d(nnx.Module):
         return y.astype(x.dtype), window[:, 1:].astype(x.dtype)
 
 
-def conv_shard(x, kernel, bias, state, seq_idx):
+def conv_shard(x, kernel, bias, state, seq_idx, previous=None):
     """`causal_conv1d` of this shard of the sequence: its window comes from the previous shard
-    (or `state` on the first; None: zeros); the new state is the last shard's."""
+    (or `state` on the first; None: zeros); the new state is the last shard's. `previous`: the
+    previous shard's last width - 1 inputs where the caller has them already (None: they are
+    passed here from x)."""
     k = kernel.shape[0]
     if state is None:
         # Made here, not passed into shard_map: a zero window XLA can see folds into a pad of x;
@@ -78,7 +86,10 @@ def conv_shard(x, kernel, bias, state, seq_idx):
             f"each sequence shard holds {x.shape[1]} positions, fewer than the conv's "
             f"width - 1 = {k - 1}: use fewer seq shards or a longer sequence"
         )
-    state = from_previous_shard(x[:, x.shape[1] - (k - 1) :].astype(state.dtype), state)
+    if previous is None:
+        state = from_previous_shard(x[:, x.shape[1] - (k - 1) :].astype(state.dtype), state)
+    elif seq_shards() > 1:
+        state = on_first_shard(state, previous.astype(state.dtype))
     state_seq_idx = None
     if seq_idx is not None:
         first = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)  # the state's document: the first one

@@ -222,9 +222,10 @@ def conv_parts(xs, kernels, biases, states, seq_idx, order: Sequence[str]):
     return apart(y, order, shapes), new_states
 
 
-def conv_joined(x, kernels, biases, states, seq_idx, order: Sequence[str]):
+def conv_joined(x, kernels, biases, states, seq_idx, order: Sequence[str], previous=None):
     """`conv_parts` on the parts already side by side in x (b, l, total), e.g. a contiguous slice
-    of a fused projection's output (no copy): -> (y (b, l, total), new states per part)."""
+    of a fused projection's output (no copy): -> (y (b, l, total), new states per part).
+    `previous`: as `conv_shard`'s, joined the same way."""
     kernel, shapes = side_by_side(kernels, order, lead=1)
     bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
     # Joined once and read: left to XLA, the join was fused into the conv's elementwise loops and
@@ -232,5 +233,5 @@ def conv_joined(x, kernels, biases, states, seq_idx, order: Sequence[str]):
     # that read the joined kernel; on seq=2 the conv's own loop was one of them).
     kernel, bias = jax.lax.optimization_barrier((kernel, bias))
     state = None if states is None else side_by_side(states, order, lead=2)[0]
-    y, new_state = conv_shard(x, kernel, bias, state, seq_idx)
+    y, new_state = conv_shard(x, kernel, bias, state, seq_idx, previous)
     return y, apart(new_state, order, shapes)
