@@ -11,6 +11,7 @@
 #                  again;  dp_flags: one GPU, data=2 under XLA flags for the gradient all-reduces
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2, seq=2 with mesh.shard_optimizer), and
 #                  HAX-Mamba-2 130M 1 x 65536 on one GPU
+#        seq_profile  the seq phase's Mamba-2 steps alone: one GPU and seq=2, profiled, with HLOs
 #        seq_memory  Mamba-2 130M 1 x 32768, one GPU, then seq=2 plain, with mesh.shard_optimizer,
 #                  with mesh.fsdp (collectives joined up to a block, the default) and with mesh.fsdp
 #                  never joined (mesh.combine_collectives=off): issue 17's memory per GPU
@@ -50,7 +51,7 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phases="dp, dp_tp, dp_flags, seq, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq"
+phases="dp, dp_tp, dp_flags, seq, seq_profile, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq"
 phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs"
 phase=${1:?phase: one of $phases}
 out=${2:?output directory}
@@ -111,6 +112,13 @@ seq)
     # The AdamW moments split over "seq" too: each shard held a whole replica.
     run seq2_32k_shard_optimizer 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
         --set mesh.data=1 mesh.seq=2 mesh.shard_optimizer=true
+    ;;
+seq_profile)
+    # Only the two Mamba-2 steps of the seq phase, both profiled with their HLOs.
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --profile 400 \
+        --hlo-dir "$out/hlo_one"
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
+        --hlo-dir "$out/hlo_seq2" --set mesh.data=1 mesh.seq=2
     ;;
 seq_memory)
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives
