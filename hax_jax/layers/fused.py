@@ -123,22 +123,11 @@ def fused_linear(x: jax.Array, kernels: Mapping, biases: Mapping | None, dtype, 
     (in, *shape) joined in `order`, one matmul, as the fused layer's (one GEMM per part made a
     Mamba-2 training step 14% slower on an H100). nnx.Linear's arithmetic: inputs and parameters
     in `dtype`."""
-    kernel, bias, shapes = joined_linear(kernels, biases, dtype, order)
-    return affine(x, kernel, bias), shapes
-
-
-def joined_linear(kernels: Mapping, biases: Mapping | None, dtype, order):
-    """(kernel (in, total), bias (total,) or None, the parts' shapes): the parts joined in
-    `order`, in `dtype`, as `fused_linear` multiplies them."""
     kernel, shapes = side_by_side(kernels, order, lead=1)
-    bias = None if biases is None else side_by_side(biases, order, lead=0)[0].astype(dtype)
-    return kernel.astype(dtype), bias, shapes
-
-
-def affine(x: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
-    """x (..., in) @ kernel (in, out) + bias, in the kernel's dtype."""
-    y = jnp.tensordot(x.astype(kernel.dtype), kernel, axes=1)
-    return y if bias is None else y + bias
+    y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=1)
+    if biases is not None:
+        y = y + side_by_side(biases, order, lead=0)[0].astype(dtype)
+    return y, shapes
 
 
 def linear_parts(x, kernels: Mapping, biases: Mapping | None, dtype, order) -> dict:

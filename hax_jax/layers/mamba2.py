@@ -13,11 +13,10 @@ from hax_jax.layers.fused import (
     FusedConv1d,
     FusedLinear,
     Part,
-    affine,
     apart,
     conv_joined,
     fuse,
-    joined_linear,
+    fused_linear,
     unfuse,
 )
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
@@ -249,23 +248,26 @@ def _front_shard(
     outside shard_map): -> (y (b, l, h, p), z (b, l, e), x (b, l, e) post-conv, final SSM state,
     *the conv's new state per part)."""
     # One GEMM and contiguous slices, as the fused layer: [z | x | B | C | dt] (local parts).
-    kernel, bias, shapes = joined_linear(
-        in_kernels, in_biases, mixer.dtype, [p.name for p in mixer.in_proj.parts]
+    project = functools.partial(
+        fused_linear,
+        kernels=in_kernels,
+        biases=in_biases,
+        dtype=mixer.dtype,
+        order=[p.name for p in mixer.in_proj.parts],
     )
-    zxbcdt = affine(u, kernel, bias)
+    zxbcdt, shapes = project(u)
     e, conv_dim = shapes[0][0], sum(math.prod(s) for s in shapes[1:4])
     z, xBC, dt = jnp.split(zxbcdt, [e, e + conv_dim], axis=-1)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
     previous = None
     if seq_shards() > 1:
         # The conv's window from the previous shard: its last d_conv - 1 rows of u, projected
-        # here (x, B, C's columns of the joined kernel). Sent before in_proj, not after, its
-        # collective-permute need not wait for the GEMM (nor the backward's return of their
-        # gradient for this shard's in_proj backward).
-        tail = u[:, u.shape[1] - (mixer.conv1d.width - 1) :]
+        # here. Sent before in_proj, not after, its collective-permute need not wait for the
+        # GEMM (nor the backward's return of their gradient for this shard's in_proj backward).
+        width = mixer.conv1d.width
+        tail = u[:, u.shape[1] - (width - 1) :]
         u_prev = from_previous_shard(tail, jnp.zeros_like(tail))
-        columns = slice(e, e + conv_dim)
-        previous = affine(u_prev, kernel[:, columns], None if bias is None else bias[columns])
+        previous = project(u_prev)[0][..., e : e + conv_dim]
     xBC, new_conv = conv_joined(xBC, conv_kernels, conv_biases, conv_states, seq_idx, XBC, previous)
     x, B, C = apart(jax.nn.silu(xBC), XBC, shapes[1:4]).values()
     x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)
