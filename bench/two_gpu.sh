@@ -159,6 +159,12 @@ seq_latency)
     ;;
 seq_ab)
     bases=(${BASE:?BASE=REV [REV...]: the commits to compare with})
+    for rev in "${bases[@]}"; do  # a machine's copy of the repository may predate the session's commits
+        if ! git rev-parse --verify -q "$rev^{commit}" >/dev/null; then
+            echo "error: BASE commit '$rev' is not in this copy's git history" >&2
+            exit 2
+        fi
+    done
     base_tp() {  # base_tp REV: train_throughput.py of a worktree of REV, made once
         local tree=/tmp/hax_base_$1
         [[ -d $tree ]] || git worktree add -f --detach "$tree" "$1" >/dev/null
