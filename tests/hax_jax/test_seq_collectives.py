@@ -19,13 +19,13 @@ from hax_jax.config import Mamba2Config, MeshConfig, ModelConfig, SparseConfig
 from tests.support.collectives import step_collectives
 
 # Sizes chosen so no parameter or state dimension equals a length or chunk count below.
-L, D_CONV, CHUNK, SHARDS = 1024, 4, 8, 2
+L, D_CONV, CHUNK, SHARDS, D_MODEL = 1024, 4, 8, 2, 40
 
 
 def _step_collectives(n_layer: int, sparse: str, remat: str) -> list[tuple[str, str]]:
     """(kind, result shape) of every collective of the step under data x seq = 1 x 2."""
     cfg = ModelConfig(
-        d_model=40,
+        d_model=D_MODEL,
         n_layer=n_layer,
         vocab_size=48,
         block_pattern=("mamba2",),
@@ -77,6 +77,20 @@ def test_no_collective_moves_a_sequence(collectives):
     for kind, shape in collectives[1][2]:
         dims = [int(d) for d in re.findall(r"\d+", re.sub(r"\{.*?\}", "", shape))]
         assert not lengths & set(dims), (kind, shape)
+
+
+def test_the_conv_window_leaves_before_in_proj(collectives):
+    """The conv's window crosses as the block input's last d_conv - 1 rows (d_model wide), which
+    exist before in_proj, so its collective-permute need not wait for the GEMM; not as in_proj's
+    output rows (d_inner + 2 G N wide), which would."""
+    window = sorted(
+        shape
+        for kind, shape in collectives[1][2]
+        if kind == "collective-permute" and re.search(rf"\[1,{D_CONV - 1},\d+\]", shape)
+    )
+    assert window, collectives[1][2]
+    widths = {int(re.search(r"\[1,\d+,(\d+)\]", shape)[1]) for shape in window}
+    assert widths == {D_MODEL}, window
 
 
 @pytest.mark.parametrize("sparse", list(MOST_PER_BLOCK))
