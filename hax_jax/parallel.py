@@ -231,7 +231,7 @@ def incoming_states(
 
     if shards == 2:
         decay_0, final_0 = unpack(from_previous_shard(packed, jnp.zeros_like(packed)))
-        entering = jnp.where(jax.lax.axis_index(SEQ) == 0, h, decay_0 * h + final_0)
+        entering = on_first_shard(h, decay_0 * h + final_0)
         return entering, from_last_shard(decay * entering + final)
     decays, finals = unpack(received(jax.lax.all_gather(packed, SEQ)))
     entering = []
@@ -255,11 +255,10 @@ def incoming_state_grads(
     if shards == 1:
         d_last = jnp.zeros_like(d_entering) if d_last is None else d_last
         return d_last, d_entering + decay * d_last
-    here = jax.lax.axis_index(SEQ)
     if shards == 2 and d_last is None:
         g = received(jax.lax.ppermute(d_entering, SEQ, [(1, 0)]))  # zeros on the second
         d_initial = d_entering + decay.astype(d_entering.dtype) * g
-        return g, jnp.where(here == 0, d_initial, jnp.zeros_like(d_initial))
+        return g, on_first_shard(d_initial, jnp.zeros_like(d_initial))
     parts = [decay.astype(d_entering.dtype), d_entering]
     if d_last is not None:  # None: a zero gradient, nothing to send for it
         parts.append(d_last.astype(d_entering.dtype))
@@ -276,8 +275,8 @@ def incoming_state_grads(
     for s in reversed(range(shards)):
         leaving.append(g)
         g = d_enterings[s] + decays[s] * g
-    d_initial = jnp.where(here == 0, g, jnp.zeros_like(g))
-    return jnp.stack(leaving[::-1])[here], d_initial
+    d_initial = on_first_shard(g, jnp.zeros_like(g))
+    return jnp.stack(leaving[::-1])[jax.lax.axis_index(SEQ)], d_initial
 
 
 # ----------------------------------------------------------------------------- the scans
