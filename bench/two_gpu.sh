@@ -75,6 +75,15 @@ tp="python bench/train_throughput.py"  # a command (timeout runs programs, not f
 gpu() { local device=$1; shift; CUDA_VISIBLE_DEVICES=$device "$@"; }
 
 lhs_flags="--xla_gpu_enable_latency_hiding_scheduler=true"
+seq2="mesh.data=1 mesh.seq=2"
+profiled_one_gpu_32k() {  # Mamba-2 130M 1 x 32768 on GPU 0, profiled, with its HLO
+    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
+        --hlo-dir "$out/hlo_one"
+}
+profiled_seq2_32k() {  # the same on seq=2
+    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
+        --hlo-dir "$out/hlo_seq2" --set $seq2
+}
 data_parallel() {  # one GPU and data=2 at 8 x 2048 a GPU (the dp and dp_tp phases)
     mkdir -p "$out/hlo_one" "$out/hlo_data2"
     gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps --profile "${PROFILE:-60}" --hlo-dir "$out/hlo_one"
@@ -103,26 +112,21 @@ dp_tp)
         --set mesh.data=2 mesh.fsdp=true data.batch_size=16
     ;;
 seq)
-    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
-        --hlo-dir "$out/hlo_one" &
+    profiled_one_gpu_32k &
     gpu 1 run one_gpu_hax_64k 400 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives &
     wait
-    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
-        --hlo-dir "$out/hlo_seq2" --set mesh.data=1 mesh.seq=2
+    profiled_seq2_32k
     # The AdamW moments split over "seq" too: each shard held a whole replica.
     run seq2_32k_shard_optimizer 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
-        --set mesh.data=1 mesh.seq=2 mesh.shard_optimizer=true
+        --set $seq2 mesh.shard_optimizer=true
     ;;
 seq_profile)
-    # Only the two Mamba-2 steps of the seq phase, both profiled with their HLOs.
-    gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --profile 400 \
-        --hlo-dir "$out/hlo_one"
-    run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
-        --hlo-dir "$out/hlo_seq2" --set mesh.data=1 mesh.seq=2
+    # Only the two Mamba-2 steps of the seq phase.
+    profiled_one_gpu_32k
+    profiled_seq2_32k
     ;;
 seq_memory)
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives
-    seq2="mesh.data=1 mesh.seq=2"
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
     run seq2_32k_shard_optimizer 120 $tp --cases lm_mamba2_130m_32k $steps --collectives \
         --set $seq2 mesh.shard_optimizer=true
@@ -134,7 +138,6 @@ seq_p2p)
     # Each SSD state and conv halo crosses between the shards as a small collective-permute whose
     # latency the seq=2 profiles show exposed; a copy between the GPUs skips NCCL's launch.
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps
-    seq2="mesh.data=1 mesh.seq=2"
     p2p="--xla_gpu_use_memcpy_local_p2p=true"
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
     XLA_FLAGS=$p2p run seq2_32k_memcpy_p2p 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
@@ -146,7 +149,6 @@ seq_latency)
     # The 96 collective-permutes of a seq=2 step are small and on the critical path: NCCL sends
     # messages over 16 KiB with its Simple protocol, whose latency the LL protocol undercuts.
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps
-    seq2="mesh.data=1 mesh.seq=2"
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 --set $seq2
     NCCL_P2P_LL_THRESHOLD=1048576 run seq2_32k_p2p_ll 120 $tp --cases lm_mamba2_130m_32k $steps \
         --profile 400 --set $seq2
@@ -174,7 +176,6 @@ seq_ab)
     gpu 1 run "one_gpu_32k_${bases[0]}" 200 $(base_tp "${bases[0]}") --cases lm_mamba2_130m_32k \
         $steps &
     wait
-    seq2="mesh.data=1 mesh.seq=2"
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
     for rev in "${bases[@]}"; do
         run "seq2_32k_$rev" 150 $(base_tp "$rev") --cases lm_mamba2_130m_32k $steps --collectives \
@@ -189,7 +190,7 @@ seq_hax)
     gpu 0 run one_gpu_hax_64k 300 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e \
         --collectives --profile 400 --hlo-dir "$out/hlo_hax_one" --set "$layers"
     run seq2_hax_64k 330 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
-        --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set "$layers" mesh.data=1 mesh.seq=2
+        --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set "$layers" $seq2
     ;;
 pgle_seq | pgle_dp)
     # The scheduler's cost model takes a collective-permute of one SSD state for nearly free and
@@ -197,7 +198,7 @@ pgle_seq | pgle_dp)
     pgle="env JAX_ENABLE_PGLE=yes JAX_PGLE_PROFILING_RUNS=3"
     warm="--warmup 5"  # the profiled runs and the recompile, untimed
     if [[ $phase == pgle_seq ]]; then
-        one="--cases lm_mamba2_130m_32k" two="mesh.data=1 mesh.seq=2"
+        one="--cases lm_mamba2_130m_32k" two=$seq2
     else
         one="--cases lm_mamba2_130m" two="mesh.data=2 data.batch_size=16"
     fi
