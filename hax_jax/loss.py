@@ -14,7 +14,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, PartitionSpec
 
 from hax_jax.config import LOGITS_BUDGET
 from hax_jax.sharding import current_mesh, logical_to_spec, shard
@@ -155,103 +154,27 @@ def _weighted_nll(head, n_chunks, h, labels, weights, head_params):
 def _weighted_nll_fwd(head, n_chunks, h, labels, weights, head_params):
     l = h.shape[1]
     h_cbmd, (labels_cbm, weights_cbm) = _to_chunks(h, (labels, weights), n_chunks)
-    # With several chunks, each device sums its own part of the head's gradient over the chunks
-    # and the parts are summed across devices once, after the scan (in the parameters' dtype),
-    # instead of once a chunk inside it; XLA can then run that reduction beside the backward.
-    groups = _device_groups(*h_cbmd.shape[1:3]) if n_chunks > 1 else None
-    layout = _Plain(head, head_params) if groups is None else _Grouped(head, head_params, groups)
 
     def one_chunk(d_params, args):
         """Adds the chunk's head-parameter gradient; (weighted sum, argmax, h's gradient)."""
-        h_bmd, labels_bm, weights_bm = map(layout.split, args)
-        logits, pull = jax.vjp(layout.head, layout.params, h_bmd)
-        logits = layout.constrain_logits(logits)
+        h_bmd, labels_bm, weights_bm = args
+        logits, pull = jax.vjp(
+            lambda p, x: head(p, shard(x, "batch", "seq", "embed")), head_params, h_bmd
+        )
+        logits = shard(logits, "batch", "seq", "vocab")
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels_bm)
         one_hot = jax.nn.one_hot(labels_bm, logits.shape[-1], dtype=logits.dtype)
         d_logits = weights_bm[..., None] * (jax.nn.softmax(logits) - one_hot)
         d_params_chunk, d_h = pull(d_logits)
         d_params = jax.tree.map(jnp.add, d_params, d_params_chunk)
-        pred = jnp.argmax(logits, -1)
-        return d_params, (layout.partial_sum(weights_bm * nll), layout.join(pred), layout.join(d_h))
+        return d_params, (jnp.sum(weights_bm * nll), jnp.argmax(logits, -1), d_h)
 
-    zeros = jax.tree.map(jnp.zeros_like, layout.params)
+    zeros = jax.tree.map(jnp.zeros_like, head_params)
     d_params, (sums, pred_cbm, d_h_cbmd) = jax.lax.scan(
         one_chunk, zeros, (h_cbmd, labels_cbm, weights_cbm)
     )
     outputs = (jnp.sum(sums), _from_chunks(pred_cbm, l))
-    return outputs, (_from_chunks(d_h_cbmd, l), layout.total(d_params))
-
-
-def _device_groups(b: int, m: int) -> tuple[int, int] | None:
-    """(data, seq): the mesh's split of a chunk's b rows and m positions, or None where no mesh
-    axis splits them (no mesh, both of size one, inside shard_map) or a split does not divide."""
-    mesh = current_mesh()
-    if mesh is None or any(kind == AxisType.Manual for kind in mesh.axis_types):
-        return None
-    data, seq = (dict(mesh.shape).get(axis, 1) for axis in ("data", "seq"))
-    if data * seq == 1 or b % data or m % seq:
-        return None
-    return data, seq
-
-
-class _Plain:
-    """One chunk as it is: GSPMD sums the head's gradient (and the loss) across devices where
-    they are made."""
-
-    def __init__(self, head, head_params):
-        self.params = head_params
-        self.head = lambda p, x: head(p, shard(x, "batch", "seq", "embed"))
-
-    split = join = total = staticmethod(lambda x: x)
-    partial_sum = staticmethod(jnp.sum)
-
-    @staticmethod
-    def constrain_logits(logits):
-        return shard(logits, "batch", "seq", "vocab")
-
-
-class _Grouped:
-    """One chunk with each device's rows and positions under a leading (data, seq) index, and
-    the head's parameters broadcast along it: the parameters' gradient (and the loss) then come
-    out per device, (data, seq, ...), and are summed across devices after the scan."""
-
-    def __init__(self, head, head_params, groups):
-        self.groups = groups
-        self.params = jax.tree.map(
-            lambda p: _lead(jnp.broadcast_to(p, groups + p.shape)), head_params
-        )
-        # vmap's spmd_axis_name keeps any constraint inside the head on the leading index's axis.
-        self.head = jax.vmap(jax.vmap(head, spmd_axis_name="seq"), spmd_axis_name="data")
-
-    def split(self, x):
-        """(b, m, ...) -> (data, seq, b / data, m / seq, ...)."""
-        (data, seq), (b, m) = self.groups, x.shape[:2]
-        x = jnp.moveaxis(x.reshape(data, b // data, seq, m // seq, *x.shape[2:]), 2, 1)
-        return _lead(x)
-
-    def join(self, x):
-        """`split`'s inverse."""
-        data, seq, b, m = x.shape[:4]
-        return jnp.moveaxis(x, 1, 2).reshape(data * b, seq * m, *x.shape[4:])
-
-    @staticmethod
-    def constrain_logits(logits):
-        return shard(logits, "batch", "seq", None, None, "vocab")
-
-    @staticmethod
-    def partial_sum(x):
-        """Each device's sum of its (data, seq, b', m') part: (data, seq)."""
-        return jnp.sum(x, axis=(2, 3))
-
-    @staticmethod
-    def total(d_params):
-        return jax.tree.map(lambda g: jnp.sum(g, axis=(0, 1)), d_params)
-
-
-def _lead(x: jax.Array) -> jax.Array:
-    """x with its first two axes on the mesh's "data" and "seq", the others left to GSPMD."""
-    rest = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 2)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec("data", "seq", *rest))
+    return outputs, (_from_chunks(d_h_cbmd, l), d_params)
 
 
 def _weighted_nll_bwd(head, n_chunks, residuals, cotangents):

@@ -2,21 +2,13 @@
 time) against its obvious twin: autodiff of the weighted sum of optax's cross-entropy over the
 whole rows' logits."""
 
-import math
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from hax_jax import sharding
-from hax_jax.config import MeshConfig
 from hax_jax.loss import weighted_nll
-from tests.support.collectives import arrays, collectives_of
 
 # fp32: |a - b| <= ATOL + RTOL |b| per element (the chunks only reorder sums over positions).
 RTOL, ATOL = 1e-5, 1e-6
@@ -105,48 +97,3 @@ def test_gradients_keep_the_dtypes():
     )
     assert d_h.dtype == jnp.bfloat16
     assert d_params["embedding"].dtype == jnp.float32
-
-
-def _while_bodies(hlo: str) -> str:
-    """The text of every while loop's body computation in optimized HLO."""
-    names = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
-    blocks = re.split(r"\n(?=\S)", hlo)
-    return "\n".join(b for b in blocks if b.split(" ", 1)[0].lstrip("%") in names)
-
-
-@pytest.mark.parametrize("head", [_tied, _untied])
-@pytest.mark.parametrize("mesh_shape", [(1, 2, 1), (2, 2, 2)])  # data, seq, tensor
-def test_split_rows_and_positions_sum_the_head_gradient_once(head, mesh_shape):
-    """Under a mesh that splits the rows ("data") and positions ("seq") of several chunks, the
-    loss and gradients equal one device's, and the head's gradient crosses devices after the
-    scan, not inside it (once a chunk)."""
-    b, l, vocab = 4, 16, 16  # divisible by every split
-    keys = jax.random.split(jax.random.key(1), 4)
-    h = jax.random.normal(keys[0], (b, l, D))
-    labels = jax.random.randint(keys[1], (b, l), 0, vocab)
-    weights = jnp.full((b, l), 1.0 / (b * l))
-    if head is _tied:
-        params = {"embedding": jax.random.normal(keys[2], (vocab, D)) * 0.5}
-    else:
-        params = {
-            "kernel": jax.random.normal(keys[2], (D, vocab)) * 0.5,
-            "bias": jax.random.normal(keys[3], (vocab,)) * 0.1,
-        }
-
-    def loss(h, params):
-        return weighted_nll(h, labels, weights, head, params, 4)[0]
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    want = step(h, params)
-    data, seq, tensor = mesh_shape
-    mesh = sharding.make_mesh(MeshConfig(data=data, seq=seq, tensor=tensor), jax.devices("cpu"))
-    with jax.set_mesh(mesh):
-        h_split = jax.device_put(h, NamedSharding(mesh, P("data", "seq")))
-        got = step(h_split, params)
-        hlo = step.lower(h_split, params).compile().as_text()
-    _close(got, want)
-    head_grad = vocab // tensor * D  # elements a device holds
-    reduced = [math.prod(s) for kind, s in arrays(collectives_of(hlo)) if kind == "all-reduce"]
-    in_scan = arrays(collectives_of(_while_bodies(hlo)))
-    assert max(reduced) >= head_grad  # the head's gradient is summed across devices ...
-    assert all(math.prod(shape) < head_grad for _, shape in in_scan), in_scan  # ... not in the scan
