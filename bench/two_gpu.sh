@@ -25,6 +25,9 @@
 #        seq_ab    Mamba-2 130M 1 x 32768, one GPU and seq=2, for this tree and for the commits
 #                  BASE="REV [REV...]" (git worktrees in /tmp/hax_base_REV): one GPU for this tree
 #                  and the first REV side by side, then seq=2 for each
+#        seq_hax_ab  HAX-Mamba-2 130M 1 x 65536 (24 blocks) on seq=2 for this tree and for BASE="REV
+#                  [REV...]" (as seq_ab), 20 steps timed, then profiled: the timed step beside
+#                  the profile's span (about 4 minutes a row once XLA's autotuning is cached)
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
 #                  blocks, e.g. 4: each block's cost in about 2 minutes instead of 9)
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
@@ -51,7 +54,8 @@
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
-phases="dp, dp_tp, dp_flags, seq, seq_profile, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax, pgle_seq"
+phases="dp, dp_tp, dp_flags, seq, seq_profile, seq_memory, seq_p2p, seq_latency, seq_ab, seq_hax_ab"
+phases+=", seq_hax, pgle_seq"
 phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs"
 phase=${1:?phase: one of $phases}
 out=${2:?output directory}
@@ -96,6 +100,21 @@ data_parallel() {  # one GPU and data=2 at 8 x 2048 a GPU (the dp and dp_tp phas
     # The AdamW moments and the update split over "data" (ZeRO-1).
     run data2_shard_optimizer_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
         --set mesh.data=2 mesh.shard_optimizer=true data.batch_size=16
+}
+
+if [[ $phase == seq_ab || $phase == seq_hax_ab ]]; then
+    bases=(${BASE:?BASE=REV [REV...]: the commits to compare with})
+    for rev in "${bases[@]}"; do  # a machine's copy of the repository may predate the session's commits
+        if ! git rev-parse --verify -q "$rev^{commit}" >/dev/null; then
+            echo "error: BASE commit '$rev' is not in this copy's git history" >&2
+            exit 2
+        fi
+    done
+fi
+base_tp() {  # base_tp REV: train_throughput.py of a worktree of REV, made once
+    local tree=/tmp/hax_base_$1
+    [[ -d $tree ]] || git worktree add -f --detach "$tree" "$1" >/dev/null
+    echo "env PYTHONPATH=$tree:${PYTHONPATH:-} python $tree/bench/train_throughput.py"
 }
 
 case $phase in
@@ -160,18 +179,6 @@ seq_latency)
         --cases lm_mamba2_130m_32k $steps --warmup 5 --set $seq2
     ;;
 seq_ab)
-    bases=(${BASE:?BASE=REV [REV...]: the commits to compare with})
-    for rev in "${bases[@]}"; do  # a machine's copy of the repository may predate the session's commits
-        if ! git rev-parse --verify -q "$rev^{commit}" >/dev/null; then
-            echo "error: BASE commit '$rev' is not in this copy's git history" >&2
-            exit 2
-        fi
-    done
-    base_tp() {  # base_tp REV: train_throughput.py of a worktree of REV, made once
-        local tree=/tmp/hax_base_$1
-        [[ -d $tree ]] || git worktree add -f --detach "$tree" "$1" >/dev/null
-        echo "env PYTHONPATH=$tree:${PYTHONPATH:-} python $tree/bench/train_throughput.py"
-    }
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps &
     gpu 1 run "one_gpu_32k_${bases[0]}" 200 $(base_tp "${bases[0]}") --cases lm_mamba2_130m_32k \
         $steps &
@@ -180,6 +187,15 @@ seq_ab)
     for rev in "${bases[@]}"; do
         run "seq2_32k_$rev" 150 $(base_tp "$rev") --cases lm_mamba2_130m_32k $steps --collectives \
             --set $seq2
+    done
+    ;;
+seq_hax_ab)
+    # The seq=2 step of 1853cdc timed 304.75 and 315.43 ms where c626317's took 281.34 in the same
+    # call, yet 1853cdc's profile spanned 283 ms a step (seventeenth session): both numbers per row.
+    hax="--cases lm_hax_mamba2_130m_64k --steps 20 --no-e2e --profile 60"  # options c626317 has
+    run seq2_hax_64k 330 $tp $hax --set $seq2
+    for rev in "${bases[@]}"; do
+        run "seq2_hax_64k_$rev" 330 $(base_tp "$rev") $hax --set $seq2
     done
     ;;
 seq_hax)
