@@ -28,7 +28,8 @@
 #        seq_hax_ab  HAX-Mamba-2 130M 1 x 65536 (24 blocks) on seq=2 for this tree and for BASE="REV
 #                  [REV...]" (as seq_ab), 20 steps timed, then profiled: the timed step beside
 #                  the profile's span; every tree ROUNDS times (default 2), in turn (about 4 minutes a
-#                  tree, then 40 s a row), with each tree's optimized HLO from the first round
+#                  tree, then 40 s a row), with each tree's optimized HLO from the first round (the
+#                  HLOs and kernel lists feed bench/kernel_attribution.py)
 #        seq_hax   HAX-Mamba-2 130M 1 x 65536, one GPU and seq=2, profiled (LAYERS=N: N of the 24
 #                  blocks, e.g. 4: each block's cost in about 2 minutes instead of 9)
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
@@ -196,7 +197,7 @@ seq_hax_ab)
     # Each tree ROUNDS times (default 2), in turn, the later rounds from the compilation cache
     # (about 40 s a row), so that the order the rows ran in (a GPU's warmth, a neighbour) shows as
     # the spread between rounds; the first round writes each tree's optimized HLO.
-    hax="--cases lm_hax_mamba2_130m_64k --steps 20 --no-e2e --profile 60"  # options c626317 has
+    hax="--cases lm_hax_mamba2_130m_64k --steps 20 --no-e2e --profile 400"  # options c626317 has
     for round in $(seq "${ROUNDS:-2}"); do
         hlo() { [[ $round == 1 ]] && echo "--hlo-dir $out/hlo_hax_seq2_$1"; }
         run "seq2_hax_64k_r$round" 330 $tp $hax $(hlo tree) --set $seq2
