@@ -12,9 +12,9 @@
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2, seq=2 with mesh.shard_optimizer), and
 #                  HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_profile  the seq phase's Mamba-2 steps alone: one GPU and seq=2, profiled, with HLOs
-#        seq_memory  Mamba-2 130M 1 x 32768, one GPU, then seq=2 plain, with mesh.shard_optimizer,
-#                  with mesh.fsdp (collectives joined up to a block, the default) and with mesh.fsdp
-#                  never joined (mesh.combine_collectives=off): issue 17's memory per GPU
+#        seq_memory  Mamba-2 130M 1 x 32768, one GPU, then seq=2 plain, with mesh.shard_optimizer
+#                  and with mesh.fsdp (collectives joined up to a block, the default), each profiled
+#                  and again under XLA's latency-hiding scheduler: issue 17's memory per GPU
 #        seq_p2p   Mamba-2 130M 1 x 32768: one GPU, then seq=2 with NCCL's collective-permutes and
 #                  with XLA's local peer-to-peer copies instead (--xla_gpu_use_memcpy_local_p2p;
 #                  one process drives both GPUs), plain and with mesh.shard_optimizer
@@ -149,11 +149,15 @@ seq_profile)
 seq_memory)
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives
     run seq2_32k 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2
-    run seq2_32k_shard_optimizer 120 $tp --cases lm_mamba2_130m_32k $steps --collectives \
-        --set $seq2 mesh.shard_optimizer=true
-    run seq2_32k_fsdp 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --set $seq2 mesh.fsdp=true
-    run seq2_32k_fsdp_unjoined 150 $tp --cases lm_mamba2_130m_32k $steps --collectives \
-        --set $seq2 mesh.fsdp=true mesh.combine_collectives=off
+    # The two settings that split the arguments, profiled (is the parameters' all-gather exposed?),
+    # then each under XLA's latency-hiding scheduler, which may start each block's all-gather
+    # beside the other blocks' updates (shard_optimizer) or the previous block's forward (fsdp).
+    for how in shard_optimizer fsdp; do
+        run "seq2_32k_$how" 150 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 60 \
+            --set $seq2 "mesh.$how=true"
+        XLA_FLAGS=$lhs_flags run "seq2_32k_${how}_lhs" 150 $tp --cases lm_mamba2_130m_32k $steps \
+            --set $seq2 "mesh.$how=true"
+    done
     ;;
 seq_p2p)
     # Each SSD state and conv halo crosses between the shards as a small collective-permute whose
