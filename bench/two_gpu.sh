@@ -196,8 +196,9 @@ seq_ab)
     done
     ;;
 seq_hax_ab)
-    # The seq=2 step of 1853cdc timed 304.75 and 315.43 ms where c626317's took 281.34 in the same
-    # call, yet 1853cdc's profile spanned 283 ms a step (seventeenth session): both numbers per row.
+    # The seq=2 step of 1853cdc timed 304.75 and 315.43 ms where c626317's took 281.34 on the same
+    # machine, yet 1853cdc's profile spanned 283 ms a step (BENCHMARKS, fifteenth session): both
+    # numbers per row.
     # Each tree ROUNDS times (default 2), in turn, the later rounds from the compilation cache
     # (about 40 s a row), so that the order the rows ran in (a GPU's warmth, a neighbour) shows as
     # the spread between rounds; the first round writes each tree's optimized HLO.
