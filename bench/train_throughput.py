@@ -154,10 +154,23 @@ def measure(
             jax.block_until_ready(metrics)
             print(f"{name}: {warmup} warm-up steps in {time.perf_counter() - start:.1f} s")
         start = time.perf_counter()
+        dispatched = []
         for _ in range(steps):
             state, metrics = trainer.step_fn(state, batch)
-        jax.block_until_ready(metrics)
-        step_s = (time.perf_counter() - start) / steps
+            dispatched.append(metrics)
+        # Each step's end, waited for in order after all were dispatched: the gaps between them
+        # are the steps' own times (one slow step, or a slow start, shows beside the mean).
+        ends = []
+        for step_metrics in dispatched:
+            jax.block_until_ready(step_metrics)
+            ends.append(time.perf_counter())
+        step_s = (ends[-1] - start) / steps
+        gaps_ms = 1e3 * np.diff([start, *ends])
+        print(
+            f"{name}: step ends {', '.join(f'{g:.1f}' for g in gaps_ms)} ms apart "
+            f"(the first from the first dispatch)",
+            flush=True,
+        )
         rows, length = batch["inputs"].shape
         if profile:
             held = [state]
