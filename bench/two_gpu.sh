@@ -203,8 +203,8 @@ seq_hax_ab)
     # (about 40 s a row), so that the order the rows ran in (a GPU's warmth, a neighbour) shows as
     # the spread between rounds; the first round writes each tree's optimized HLO.
     hax="--cases lm_hax_mamba2_130m_64k --steps 20 --no-e2e --profile 400"  # options c626317 has
+    hlo() { [[ $round == 1 ]] && echo "--hlo-dir $out/hlo_hax_seq2_$1"; }  # TREE: in round 1 only
     for round in $(seq "${ROUNDS:-2}"); do
-        hlo() { [[ $round == 1 ]] && echo "--hlo-dir $out/hlo_hax_seq2_$1"; }
         run "seq2_hax_64k_r$round" 330 $tp $hax $(hlo tree) --set $seq2
         for rev in "${bases[@]}"; do
             run "seq2_hax_64k_${rev}_r$round" 330 $(base_tp "$rev") $hax $(hlo "$rev") --set $seq2
