@@ -154,21 +154,26 @@ def measure(
             jax.block_until_ready(metrics)
             print(f"{name}: {warmup} warm-up steps in {time.perf_counter() - start:.1f} s")
         start = time.perf_counter()
-        dispatched = []
+        dispatched, returned = [], []
         for _ in range(steps):
             state, metrics = trainer.step_fn(state, batch)
             dispatched.append(metrics)
-        # Each step's end, waited for in order after all were dispatched: the gaps between them
-        # are the steps' own times (one slow step, or a slow start, shows beside the mean).
+            returned.append(time.perf_counter())
+        # Each step's end, waited for in order after all were dispatched. Where a step's call
+        # itself blocks until earlier steps finish (seen on the GPUs), the calls' returns are what
+        # spreads out; either way one slow step, or a slow start, shows beside the mean.
         ends = []
         for step_metrics in dispatched:
             jax.block_until_ready(step_metrics)
             ends.append(time.perf_counter())
         step_s = (ends[-1] - start) / steps
-        gaps_ms = 1e3 * np.diff([start, *ends])
+
+        def apart(times):
+            return ", ".join(f"{1e3 * g:.1f}" for g in np.diff([start, *times]))
+
         print(
-            f"{name}: step ends {', '.join(f'{g:.1f}' for g in gaps_ms)} ms apart "
-            f"(the first from the first dispatch)",
+            f"{name}: step calls returned {apart(returned)} ms apart, the steps ended "
+            f"{apart(ends)} ms apart (each first from the first call)",
             flush=True,
         )
         rows, length = batch["inputs"].shape
