@@ -62,17 +62,17 @@ class Trainer:
     def __init__(self, cfg: config_lib.Config, workdir: Path, mesh):
         self.cfg, self.workdir, self.mesh = cfg, workdir, mesh
         graphdef, abstract = nnx.split(checkpoint.abstract_model(cfg.model), nnx.Param)
-        param_sh, update_sh = training.param_and_update_shardings(abstract, mesh, cfg.mesh)
+        param_sh = training.param_shardings(abstract, mesh, cfg.mesh)
         tx = optim.make_optimizer(cfg.optim, cfg.train.num_steps)
         init = functools.partial(training.init_state, tx=tx, seed=cfg.seed)
         shape = jax.eval_shape(init, nnx.to_pure_dict(abstract))
-        state_sh = training.state_shardings(shape, param_sh, tx, mesh, update_sh)
+        state_sh = training.state_shardings(shape, param_sh.rest, tx, mesh, param_sh.update)
         self.manager = checkpoint.train_checkpointer(workdir, cfg.train.keep_checkpoints)
         self.rows = _process_rows(cfg, mesh, self.rules)
         self.iterator = iter(pipeline.train_dataset(cfg, str(workdir), self.rows))
         latest = self.manager.latest_step()
         if latest is None:
-            params = training.init_params(cfg, graphdef, param_sh)
+            params = training.init_params(cfg, graphdef, param_sh.rest)
             self.state = jax.jit(init, out_shardings=state_sh)(params)
             if distributed.is_main():
                 config_lib.save_json(cfg, workdir / "config.json")
@@ -91,9 +91,10 @@ class Trainer:
             tx=tx,
             rank_loss_weight=cfg.model.sparse.rank_loss_weight,
             lr=optim.learning_rate(cfg.optim, cfg.train.num_steps),
-            update_shardings=update_sh,
+            update_shardings=param_sh.update,
+            use_shardings=param_sh.gathered,
         )
-        options = training.step_compiler_options(cfg.mesh, mesh, abstract, param_sh)
+        options = training.step_compiler_options(cfg.mesh, mesh, abstract, param_sh.use)
         self.step_fn = jax.jit(
             step, out_shardings=(state_sh, None), donate_argnums=0, compiler_options=options
         )

@@ -150,6 +150,13 @@ class MeshConfig:
     # parameters), keeping the parameters whole (ZeRO-1): each device updates its slice of the
     # gradients, the new parameters are gathered. fsdp implies it.
     shard_optimizer: bool = False
+    # With shard_optimizer, where the updated parameters are gathered whole. "update": at the end of
+    # the step that updated them, so they rest whole; that gather ends the step with nothing left
+    # to run beside it (the global-norm clip waits for every gradient before any update). "use": at
+    # the start of the step that uses them, where XLA may run it beside the forward; they rest
+    # split like the moments, and the gathered copy is a temporary of the step (4 bytes a
+    # parameter). The trained numbers are the same either way.
+    param_gather: Literal["update", "use"] = "update"
     # XLA:GPU's joining of the gradients' and parameters' collectives over "data" and "seq"
     # (all-reduces; with fsdp or shard_optimizer also reduce-scatters and all-gathers) into fewer,
     # larger ones. Joined without limit across many blocks, XLA holds every block's weight-gradient

@@ -8,7 +8,7 @@ are here too; I/O, logging and the loop live in train.py.
 import collections
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -101,6 +101,7 @@ def train_step(
     rank_loss_weight: float,
     lr: optax.Schedule,
     update_shardings: dict | None = None,
+    use_shardings: dict | None = None,
 ):
     """One AdamW step; a non-finite loss or gradient leaves the state as it was and unhealthy.
 
@@ -113,10 +114,16 @@ def train_step(
     before the update, so each device updates only its slice of the parameters, and the state's
     out_shardings gather them whole. XLA may then reduce the gradients by reduce-scatter (the GPU
     backend does for FSDP's same pattern; the CPU backend all-reduces and slices).
+
+    `use_shardings` (mesh.param_gather="use"): the state's parameters rest split as the update's
+    and are gathered to these for the loss first, so the gather opens the step instead of ending it.
     """
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, metrics), grads = grad_fn(state.params, graphdef, batch, rng, rank_loss_weight)
+    params = state.params
+    if use_shardings is not None:
+        params = jax.lax.with_sharding_constraint(params, use_shardings)
+    (loss, metrics), grads = grad_fn(params, graphdef, batch, rng, rank_loss_weight)
     if update_shardings is not None:
         grads = jax.lax.with_sharding_constraint(grads, update_shardings)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -174,15 +181,37 @@ def init_params(cfg: config_lib.Config, graphdef, shardings: dict) -> dict:
     return checkpoint.init_from(cfg.train.init_from, params, target, cfg.model)
 
 
-def param_and_update_shardings(abstract_params, mesh, mesh_cfg) -> tuple[dict, dict | None]:
-    """(the parameters' shardings, the optimizer update's or None where they are the same) as pure
-    dicts, each checked to split what it is asked to. Under mesh.shard_optimizer without FSDP the
+class ParamShardings(NamedTuple):
+    """The parameters' shardings (pure dicts), each checked to split what it is asked to."""
+
+    use: dict  # in the loss
+    update: dict | None  # of the update and the AdamW moments where they differ (shard_optimizer)
+    rest: dict  # in the state between steps: `update` under mesh.param_gather="use", else `use`
+
+    @property
+    def gathered(self) -> dict | None:
+        """What the step gathers the resting parameters to before the loss (`use`), or None
+        where they rest as the loss uses them."""
+        return None if self.rest is self.use else self.use
+
+
+def param_shardings(abstract_params, mesh, mesh_cfg) -> ParamShardings:
+    """The parameters' shardings under `mesh_cfg`. Under mesh.shard_optimizer without FSDP the
     update splits the parameters' d_model axis ("embed") over "data" and "seq" (OPTIMIZER_RULES),
-    as FSDP splits parameters."""
-    params = _checked_shardings(abstract_params, mesh, sharding.rules(fsdp=mesh_cfg.fsdp))
+    as FSDP splits parameters; mesh.param_gather="use" keeps them so split between steps, and is
+    refused without that split."""
+    if mesh_cfg.param_gather == "use" and (mesh_cfg.fsdp or not mesh_cfg.shard_optimizer):
+        raise ValueError(
+            "mesh.param_gather='use' gathers the parameters that mesh.shard_optimizer splits: it "
+            "needs mesh.shard_optimizer=true and mesh.fsdp=false (fsdp gathers each parameter "
+            f"where it is used), got mesh.shard_optimizer={str(mesh_cfg.shard_optimizer).lower()}, "
+            f"mesh.fsdp={str(mesh_cfg.fsdp).lower()}"
+        )
+    use = _checked_shardings(abstract_params, mesh, sharding.rules(fsdp=mesh_cfg.fsdp))
     if mesh_cfg.fsdp or not mesh_cfg.shard_optimizer:
-        return params, None
-    return params, _checked_shardings(abstract_params, mesh, sharding.OPTIMIZER_RULES)
+        return ParamShardings(use, None, use)
+    update = _checked_shardings(abstract_params, mesh, sharding.OPTIMIZER_RULES)
+    return ParamShardings(use, update, update if mesh_cfg.param_gather == "use" else use)
 
 
 def _checked_shardings(abstract_params, mesh, rules: sharding.Rules) -> dict:

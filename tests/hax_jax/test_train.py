@@ -289,7 +289,7 @@ def test_the_largest_block_is_counted_in_one_devices_bytes():
     )
     mesh = train.sharding.make_mesh(cfg.mesh)
     abstract = nnx.split(hax_jax.checkpoint.abstract_model(cfg.model), nnx.Param)[1]
-    shardings, _ = training.param_and_update_shardings(abstract, mesh, cfg.mesh)
+    shardings = training.param_shardings(abstract, mesh, cfg.mesh).use
     held, whole = {}, {}
     params = nnx.to_pure_dict(abstract)
     for i, layer in params["layers"].items():
@@ -305,7 +305,7 @@ def test_the_largest_block_is_counted_in_one_devices_bytes():
     assert training.largest_block_bytes(abstract, shardings) == max(held.values())
     # fsdp splits d_model over "data" after the gradients' reduction: the bytes stay.
     fsdp = dataclasses.replace(cfg.mesh, fsdp=True)
-    fsdp_shardings, _ = training.param_and_update_shardings(abstract, mesh, fsdp)
+    fsdp_shardings = training.param_shardings(abstract, mesh, fsdp).use
     assert fsdp_shardings != shardings
     assert training.largest_block_bytes(abstract, fsdp_shardings) == max(held.values())
 
@@ -427,6 +427,33 @@ def test_sharded_optimizer_trains_as_one_device(tmp_path):
     # Each device updates its slice, and the new parameters are gathered whole. (XLA's CPU backend
     # all-reduces the gradients and slices them; on GPUs the same pattern reduce-scatters.)
     assert ("all-gather", embedding.shape) in arrays(collectives_of(hlo))
+
+    # mesh.param_gather="use": the parameters rest split like the moments and are gathered at the
+    # step's start; the same training, also across a resume that moves them back to resting whole.
+    at_use = [*TWO_KINDS, *data2_seq2, *sharded, "model.dtype=float32", "train.log_every=1"]
+    at_use += ["train.checkpoint_every=2", f"workdir={tmp_path / 'at_use'}"]
+    train.main([*at_use, "mesh.param_gather=use", "train.num_steps=2"])
+    train.main([*at_use, "train.num_steps=3"])
+    resumed = _losses(tmp_path / "at_use")
+    np.testing.assert_allclose([resumed[s] for s in one], [one[s] for s in one], rtol=1e-4)
+    cfg = train.resolve_config([*at_use, "mesh.param_gather=use", "train.num_steps=3"])
+    mesh = train.sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)  # restores step 3, split
+    embedding = trainer.state.params["embedding"]["embedding"]
+    assert all(_split_over(embedding, a) for a in ("data", "seq"))
+    leaves = jax.tree.leaves(trainer.state.params)
+    for a, b in zip(leaves, jax.tree.leaves(one_params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    trainer.close()
+
+
+def test_param_gather_at_use_needs_the_sharded_optimizer(tmp_path):
+    """mesh.param_gather="use" gathers what mesh.shard_optimizer splits: without it, or with fsdp
+    (which gathers each parameter where it is used), train.py stops naming the settings."""
+    for settings in (["mesh.param_gather=use"], ["mesh.param_gather=use", "mesh.fsdp=true"]):
+        with pytest.raises(ValueError, match="mesh.param_gather='use'.*shard_optimizer=false"):
+            _trainer([*TWO_KINDS, "mesh.data=1", *settings], tmp_path / str(len(settings)))
 
 
 def test_error_line_names_the_value_and_what_would_fit_in_memory():
