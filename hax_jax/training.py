@@ -112,8 +112,9 @@ def train_step(
 
     `update_shardings` (mesh.shard_optimizer; those of the AdamW moments) split the gradients
     before the update, so each device updates only its slice of the parameters, and the state's
-    out_shardings gather them whole. XLA may then reduce the gradients by reduce-scatter (the GPU
-    backend does for FSDP's same pattern; the CPU backend all-reduces and slices).
+    out_shardings gather them whole (unless they rest split: `use_shardings`). XLA may then
+    reduce the gradients by reduce-scatter (the GPU backend does for FSDP's same pattern; the CPU
+    backend all-reduces and slices).
 
     `use_shardings` (mesh.param_gather="use"): the state's parameters rest split as the update's
     and are gathered to these for the loss first, so the gather opens the step instead of ending it.
