@@ -39,8 +39,9 @@
 #                  (the seq and seq_hax phases write optimized HLOs to OUTDIR/hlo_*: compare two
 #                  steps per source line with `python bench/kernel_attribution.py ONE.hlo.txt
 #                  one.log SEQ2.hlo.txt seq2.log --scale 0.5`)
-#        hax_lhs   HAX-Mamba-2 130M 1 x 65536 on seq=2 (LAYERS=N blocks, default 4), profiled, then
-#                  the same under XLA's latency-hiding scheduler
+#        hax_sched HAX-Mamba-2 130M 1 x 65536 on seq=2 (LAYERS=N blocks, default 4), profiled: as
+#                  compiled, with XLA's collective-permutes never joined, and under XLA's
+#                  latency-hiding scheduler
 #        pgle_seq  Mamba-2 130M 1 x 32768, one GPU and seq=2, each with XLA's profile-guided latency
 #                  estimates (JAX_ENABLE_PGLE: 3 profiled runs, then a recompile) and without
 #        pgle_dp   the same for 8 x 2048 a GPU, one GPU and data=2
@@ -64,7 +65,7 @@
 set -uo pipefail
 phases="dp, dp_tp, dp_flags, seq, seq_profile, seq_memory, gather_seq, gather_dp, seq_p2p, seq_latency"
 phases+=", seq_ab, seq_hax_ab"
-phases+=", seq_hax, hax_lhs, pgle_seq"
+phases+=", seq_hax, hax_sched, pgle_seq"
 phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs"
 phase=${1:?phase: one of $phases}
 out=${2:?output directory}
@@ -245,13 +246,19 @@ seq_hax)
     run seq2_hax_64k 330 $tp --cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives \
         --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set "$layers" $seq2
     ;;
-hax_lhs)
-    # In each block's backward the first shard waits for the carried keys' and values' gradient
-    # from the second (SendRecv exposed 1.21 ms of a 4-block step on GPU 0, sixteenth session);
-    # the latency-hiding scheduler may run the first shard's other backward work beside the wait.
-    hax="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --profile 60"
-    run seq2_hax_64k 330 $tp $hax --set "model.n_layer=${LAYERS:-4}" $seq2
-    XLA_FLAGS=$lhs_flags run seq2_hax_64k_lhs 330 $tp $hax --set "model.n_layer=${LAYERS:-4}" $seq2
+hax_sched)
+    # In each block's backward the first shard waits for the second (SendRecv exposed 1.21 ms of a
+    # 4-block step on GPU 0, sixteenth session). XLA joins collective-permutes up to 30 MiB: the
+    # SSD state's gradient travels in one with the carried keys' and values' (26 MiB), so it waits
+    # for the second shard's sparse backward too, and in the forward the state goes in one with the
+    # sparse branch's running sums, which the second shard's branch needs first. Then the
+    # latency-hiding scheduler, which may run the first shard's other work beside the waits.
+    hax="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives --profile 60"
+    layers="model.n_layer=${LAYERS:-4}"
+    run seq2_hax_64k 330 $tp $hax --set "$layers" $seq2
+    XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1 \
+        run seq2_hax_64k_permutes_apart 330 $tp $hax --set "$layers" $seq2
+    XLA_FLAGS=$lhs_flags run seq2_hax_64k_lhs 330 $tp $hax --set "$layers" $seq2
     ;;
 pgle_seq | pgle_dp)
     # The scheduler's cost model takes a collective-permute of one SSD state for nearly free and
