@@ -4,6 +4,8 @@ per-kernel GPU times from the JAX profiler, the collectives of a compiled progra
 
 import bisect
 import collections
+import contextlib
+import gc
 import glob
 import json
 import re
@@ -67,6 +69,28 @@ def trace(fn, reps):
         jax.profiler.stop_trace()
         (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         return jax.profiler.ProfileData.from_file(path)
+
+
+@contextlib.contextmanager
+def full_collections():
+    """Yields a list that receives the duration (s) of every full (oldest-generation) Python
+    garbage collection while the block runs: after tracing a large program the heap holds about
+    a million objects, and one such pass stops the host for a good part of a second."""
+    pauses, began = [], []
+
+    def record(phase, info):
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            began.append(time.perf_counter())
+        elif began:
+            pauses.append(time.perf_counter() - began.pop())
+
+    gc.callbacks.append(record)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(record)
 
 
 def _kernel_lines(data, plane_prefix):

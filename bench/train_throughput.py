@@ -152,25 +152,30 @@ def measure(
         print(f"{name}: compiled and ran the first step in {compile_s:.1f} s", flush=True)
         if warmup:
             start = time.perf_counter()
-            for _ in range(warmup):
-                state, metrics = trainer.step_fn(state, batch)
-            jax.block_until_ready(metrics)
+            with timing.full_collections() as pauses:
+                for _ in range(warmup):
+                    state, metrics = trainer.step_fn(state, batch)
+                jax.block_until_ready(metrics)
             took = time.perf_counter() - start
             each = 1e3 * took / warmup
-            print(f"{name}: {warmup} warm-up steps in {took:.2f} s ({each:.1f} ms a step)")
+            print(
+                f"{name}: {warmup} warm-up steps in {took:.2f} s ({each:.1f} ms a step); "
+                f"{_collections(pauses)}"
+            )
         start = time.perf_counter()
         dispatched, returned = [], []
-        for _ in range(steps):
-            state, metrics = trainer.step_fn(state, batch)
-            dispatched.append(metrics)
-            returned.append(time.perf_counter())
-        # Each step's end, waited for in order after all were dispatched. Where a step's call
-        # itself blocks until earlier steps finish (seen on the GPUs), the calls' returns are what
-        # spreads out; either way one slow step, or a slow start, shows beside the mean.
-        ends = []
-        for step_metrics in dispatched:
-            jax.block_until_ready(step_metrics)
-            ends.append(time.perf_counter())
+        with timing.full_collections() as pauses:
+            for _ in range(steps):
+                state, metrics = trainer.step_fn(state, batch)
+                dispatched.append(metrics)
+                returned.append(time.perf_counter())
+            # Each step's end, waited for in order after all were dispatched. Where a step's call
+            # itself blocks until earlier steps finish (seen on the GPUs), the calls' returns are
+            # what spreads out; either way one slow step, or a slow start, shows beside the mean.
+            ends = []
+            for step_metrics in dispatched:
+                jax.block_until_ready(step_metrics)
+                ends.append(time.perf_counter())
         step_s = (ends[-1] - start) / steps
 
         def apart(times):
@@ -178,7 +183,7 @@ def measure(
 
         print(
             f"{name}: step calls returned {apart(returned)} ms apart, the steps ended "
-            f"{apart(ends)} ms apart (each first from the first call)",
+            f"{apart(ends)} ms apart (each first from the first call); {_collections(pauses)}",
             flush=True,
         )
         rows, length = batch["inputs"].shape
@@ -222,6 +227,12 @@ def measure(
     windows = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]  # 1st compiles
     result["e2e_tokens_per_s"] = float(np.mean(windows)) if windows else float("nan")
     return result
+
+
+def _collections(pauses: list[float]) -> str:
+    """The full garbage collections of a stretch of steps, for the log."""
+    listed = ", ".join(f"{1e3 * p:.1f}" for p in pauses)
+    return f"{len(pauses)} full Python garbage collections" + (f" ({listed} ms)" if pauses else "")
 
 
 def main() -> None:
