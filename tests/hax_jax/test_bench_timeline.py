@@ -1,5 +1,6 @@
 """bench/timing.timeline_us, the source of BENCHMARKS.md's per-GPU compute / exposed NCCL / idle
-columns: checked on a hand-made trace whose answer is counted by hand."""
+columns: checked on a hand-made trace whose answer is counted by hand; and full_collections, the
+garbage-collection count train_throughput.py prints."""
 
 import importlib.util
 from pathlib import Path
@@ -44,3 +45,16 @@ def test_timeline_parts_on_a_hand_made_trace():
     )
     assert timeline["beside_nccl"] == pytest.approx({"a": 2.5, "b": 1.5})
     assert timeline["gaps"] == [(10.0, "b", "ncclDevKernel_SendRecv(y)")]
+
+
+def test_full_collections_records_only_full_passes_inside_the_block():
+    """train_throughput.py's count of full garbage collections: a full pass inside the block is
+    recorded with its duration, a younger generation's is not, and nothing after the block."""
+    import gc
+
+    with timing.full_collections() as pauses:
+        gc.collect(1)
+        assert pauses == []
+        gc.collect()
+    gc.collect()
+    assert len(pauses) == 1 and pauses[0] > 0
