@@ -94,6 +94,8 @@ tp="python bench/train_throughput.py"  # a command (timeout runs programs, not f
 gpu() { local device=$1; shift; CUDA_VISIBLE_DEVICES=$device "$@"; }
 
 lhs_flags="--xla_gpu_enable_latency_hiding_scheduler=true"
+# XLA joins no collective-permutes (by default up to 30 MiB are joined into one)
+permutes_apart="--xla_gpu_collective_permute_combine_threshold_bytes=1"
 seq2="mesh.data=1 mesh.seq=2"
 profiled_one_gpu_32k() {  # Mamba-2 130M 1 x 32768 on GPU 0, profiled, with its HLO
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
@@ -263,7 +265,7 @@ hax_64k_apart)
     # 4 blocks ran 0.58 ms faster with the permutes apart (SendRecv exposed 0.52 against 1.13 ms on
     # GPU 0), within the spread; the 24-block pair had not been timed side by side.
     hax="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e"
-    XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1 \
+    XLA_FLAGS=$permutes_apart \
         run seq2_hax_64k_permutes_apart 330 $tp $hax --set $seq2
     gpu 0 run one_gpu_hax_64k_again 250 $tp $hax
     run seq2_hax_64k_again 330 $tp $hax --set $seq2
@@ -278,7 +280,7 @@ hax_sched)
     hax="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives --profile 60"
     layers="model.n_layer=${LAYERS:-4}"
     run seq2_hax_64k 330 $tp $hax --set "$layers" $seq2
-    XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1 \
+    XLA_FLAGS=$permutes_apart \
         run seq2_hax_64k_permutes_apart 330 $tp $hax --set "$layers" $seq2
     XLA_FLAGS=$lhs_flags run seq2_hax_64k_lhs 330 $tp $hax --set "$layers" $seq2
     ;;
