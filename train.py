@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from hax_jax import checkpoint, distributed, optim, parallel, sharding, training
+from hax_jax import checkpoint, distributed, heap, optim, parallel, sharding, training
 from hax_jax import config as config_lib
 from hax_jax.data import pipeline
 from hax_jax.metrics import Metrics, ProgressBar
@@ -68,6 +68,7 @@ class Trainer:
         shape = jax.eval_shape(init, nnx.to_pure_dict(abstract))
         state_sh = training.state_shardings(shape, param_sh.rest, tx, mesh, param_sh.update)
         self.manager = checkpoint.train_checkpointer(workdir, cfg.train.keep_checkpoints)
+        self.rules = sharding.rules(fsdp=cfg.mesh.fsdp)  # logical axes -> mesh axes
         self.rows = _process_rows(cfg, mesh, self.rules)
         self.iterator = iter(pipeline.train_dataset(cfg, str(workdir), self.rows))
         latest = self.manager.latest_step()
@@ -117,11 +118,6 @@ class Trainer:
             for name, value in rows.items()
         }
 
-    @property
-    def rules(self):
-        """The logical-to-mesh rules of this run."""
-        return sharding.rules(fsdp=self.cfg.mesh.fsdp)
-
     def evaluate(self) -> dict:
         """valid_accuracy (the paper's per-sample mean, averaged) and valid_loss, valid split."""
         totals = None
@@ -146,9 +142,11 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         last, pending = {}, None
         self.window = (time.perf_counter(), step)  # tokens/s over the steps since the last log
-        with ProgressBar(train.progress, step, train.num_steps) as bar:
+        progress = ProgressBar(train.progress, step, train.num_steps)
+        with progress as bar, heap.frozen_after_compile() as freeze:
             while step < train.num_steps and not self.stop_requested:
                 self.state, step_metrics = self.step_fn(self.state, self.batch(next(self.iterator)))
+                freeze()  # once, after the first call compiled the step
                 step += 1
                 if pending is not None:
                     last = self._read(*pending, bar)

@@ -7,14 +7,16 @@
 Per case: train.Trainer builds the state and data exactly as `python train.py` would; one batch
 is fetched, the step is compiled and run once, --warmup steps (default 2) run untimed, then --steps
 steps run back to back on that batch (pure step time, data loading excluded), timed to the last
-result. The untimed steps keep one-off costs of the first calls out of the mean: HAX-Mamba-2 130M
-at 1 x 65536 on seq=2 (24 blocks) returned from its first call after compiling in 533.8 ms against
-about 275 later, which added 26 ms to a 10-step mean (2026-11-27, 2 x H200); the warm-up line
-prints their time. `e2e` is train.py's own tokens/s (its metrics.jsonl) over a short real run with
-fresh batches every step, data generation and host transfer included. `--set` applies config
-overrides to every case (e.g. a mesh); `peak GiB` is the largest peak_bytes_in_use of the mesh's
-devices since the process started (run one case per process to read it per case). `--collectives`
-lists the collectives of the compiled step by kind: count and bytes moved per step.
+result. The untimed steps keep one-off costs of the first calls out of the mean (the warm-up line
+prints their time). As in train.py's loop, the objects alive after the first step are frozen out
+of Python's garbage collector (`hax_jax.heap`): before, one full collection of 0.36 s fell inside
+the timed steps of HAX-Mamba-2 130M at 1 x 65536 on seq=2 (2026-11-27, 2 x H200); the lines after
+the warm-up and the timed steps count such collections. `e2e` is train.py's own tokens/s (its
+metrics.jsonl) over a short real run with fresh batches every step, data generation and host
+transfer included. `--set` applies config overrides to every case (e.g. a mesh); `peak GiB` is
+the largest peak_bytes_in_use of the mesh's devices since the process started (run one case per
+process to read it per case). `--collectives` lists the collectives of the compiled step by kind:
+count and bytes moved per step.
 """
 
 import argparse
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from bench import timing  # noqa: E402
+from hax_jax import heap  # noqa: E402
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs  # noqa: E402
 
 LM = ["data.batch_size=8", "data.seq_len=2048"]
@@ -119,7 +122,7 @@ def measure(
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True)
     mesh = train.sharding.make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), heap.frozen_after_compile() as freeze:
         trainer = train.Trainer(cfg, workdir, mesh)
         batch = trainer.batch(next(trainer.iterator))
         state = trainer.state
@@ -150,6 +153,7 @@ def measure(
         jax.block_until_ready(metrics)
         compile_s = time.perf_counter() - start
         print(f"{name}: compiled and ran the first step in {compile_s:.1f} s", flush=True)
+        freeze()  # as train.py's loop does after the first step
         if warmup:
             start = time.perf_counter()
             with timing.full_collections() as pauses:

@@ -2,6 +2,7 @@
 errors."""
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -342,6 +343,22 @@ def test_a_split_sequence_on_gpus_joins_all_reduces_up_to_a_block(tmp_path):
     off, auto, block, on = (counts[c].pop("all-reduce") for c in settings)
     assert off > auto == block >= on
     assert counts["off"] == counts["auto"] == counts["block"] == counts["on"]
+
+
+def test_the_loop_freezes_the_compiled_steps_objects_and_releases_them(tmp_path):
+    trainer = _trainer([*SMALL, "train.num_steps=3"], tmp_path / "run")
+    frozen_at_call, step_fn = [], trainer.step_fn
+
+    def recording(state, batch):
+        frozen_at_call.append(gc.get_freeze_count())
+        return step_fn(state, batch)
+
+    trainer.step_fn = recording
+    with jax.set_mesh(trainer.mesh):
+        trainer.run()
+    trainer.close()
+    assert frozen_at_call[0] == 0 and all(count > 0 for count in frozen_at_call[1:])
+    assert len(frozen_at_call) == 3 and gc.get_freeze_count() == 0
 
 
 def test_a_workdir_of_another_model_is_refused(tmp_path):

@@ -1,0 +1,33 @@
+"""Python's garbage collector around a training loop.
+
+Tracing and compiling a step leaves about a million long-lived Python objects (jaxprs, lowering
+caches, the model's graph: HAX-Mamba-2 130M). Each full collection walks them all: on 2 x H200 one
+took 0.36 s inside the timed steps of a 278 ms HAX step (BENCHMARKS.md, eighteenth session), a
+host stall the GPUs wait through. Frozen into the permanent generation once the step has compiled,
+those objects are skipped by every later pass; new objects are still collected as before.
+"""
+
+import contextlib
+import gc
+
+
+@contextlib.contextmanager
+def frozen_after_compile():
+    """Yields `freeze()`: its first call collects and then freezes every object alive (call it once
+    the step has compiled; later calls do nothing). On exit the frozen objects return to the
+    collector. Freezes nothing if someone else froze objects before (their choice stands)."""
+    ours = gc.get_freeze_count() == 0
+    frozen = False
+
+    def freeze():
+        nonlocal frozen
+        if ours and not frozen:
+            gc.collect()  # garbage left by compiling is freed now, not kept frozen
+            gc.freeze()
+            frozen = True
+
+    try:
+        yield freeze
+    finally:
+        if frozen:
+            gc.unfreeze()

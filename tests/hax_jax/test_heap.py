@@ -1,0 +1,57 @@
+"""hax_jax.heap: the objects alive once the step compiled are frozen out of Python's collector."""
+
+import gc
+import weakref
+
+from hax_jax import heap
+
+
+class _Node:
+    """A reference cycle: freed by the cycle collector only."""
+
+    def __init__(self):
+        self.me = self
+
+
+def _dropped_cycle() -> weakref.ref:
+    return weakref.ref(_Node())
+
+
+def test_freeze_collects_first_then_freezes_once_and_releases_on_exit():
+    assert gc.get_freeze_count() == 0
+    with heap.frozen_after_compile() as freeze:
+        assert gc.get_freeze_count() == 0  # nothing before the first call
+        garbage = _dropped_cycle()
+        freeze()
+        assert garbage() is None  # garbage left before freezing is freed, not kept
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        kept = [_Node() for _ in range(100)]
+        freeze()  # later calls freeze nothing more
+        assert gc.get_freeze_count() == frozen
+        later = _dropped_cycle()
+        gc.collect()
+        assert later() is None  # objects made after freezing are still collected
+    assert gc.get_freeze_count() == 0
+    del kept
+
+
+def test_objects_frozen_by_someone_else_stay_theirs():
+    gc.freeze()
+    try:
+        theirs = gc.get_freeze_count()
+        with heap.frozen_after_compile() as freeze:
+            freeze()
+            assert gc.get_freeze_count() == theirs
+        assert gc.get_freeze_count() == theirs
+    finally:
+        gc.unfreeze()
+
+
+def test_nothing_is_frozen_when_the_loop_fails_before_the_first_step():
+    try:
+        with heap.frozen_after_compile():
+            raise RuntimeError("stopped")
+    except RuntimeError:
+        pass
+    assert gc.get_freeze_count() == 0
