@@ -10,8 +10,8 @@
 #                  kernels, default 60);  dp: the same without tensor=2 and FSDP, then one GPU
 #                  again;  dp_flags: one GPU, data=2 under XLA flags for the gradient all-reduces
 #                  and the latency-hiding scheduler;  dp_combine: one GPU, data=2 with the
-#                  all-reduces joined up to one block (mesh.combine_collectives=block) and, under
-#                  XLA's default scheduler, up to 64 MiB, 128 MiB and 1 GiB (one all-reduce)
+#                  all-reduces joined up to one block and never (mesh.combine_collectives=block,
+#                  off) and up to 64 MiB, 128 MiB and 1 GiB (one all-reduce)
 #        seq       Mamba-2 130M 1 x 32768 (one GPU, seq=2, seq=2 with mesh.shard_optimizer), and
 #                  HAX-Mamba-2 130M 1 x 65536 on one GPU
 #        seq_profile  the seq phase's Mamba-2 steps alone: one GPU and seq=2, profiled, with HLOs
@@ -151,14 +151,17 @@ dp_tp)
         --set mesh.data=2 mesh.fsdp=true data.batch_size=16
     ;;
 dp_combine)
-    # Each joined all-reduce is copied into one buffer and sliced out after (1.3 ms of copies a
-    # step at data=2, eighteenth session) and the GPU idles in short gaps around them: fewer,
-    # larger joins copy as much but wait less often; smaller ones may start during the backward.
+    # Each joined all-reduce is copied into one buffer and sliced out after (about 1.8 ms of
+    # concatenations, copies and slices a step at data=2, eighteenth session) and the GPU idles
+    # in short gaps around them: fewer, larger joins copy as much but wait less often; smaller
+    # ones may start during the backward; unjoined ones copy nothing but launch ~400 times.
     gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps
     two="mesh.data=2 data.batch_size=16"
     run data2_130m 130 $tp --cases lm_mamba2_130m $steps --collectives --set $two
-    run data2_block_130m 130 $tp --cases lm_mamba2_130m $steps --collectives \
-        --set $two mesh.combine_collectives=block
+    for how in block off; do  # off: each gradient reduced in its own buffer, nothing copied
+        run "data2_${how}_130m" 130 $tp --cases lm_mamba2_130m $steps --collectives \
+            --set $two "mesh.combine_collectives=$how"
+    done
     for mib in 64 128 1024; do
         XLA_FLAGS="--xla_gpu_all_reduce_combine_threshold_bytes=$((mib << 20))" \
             run "data2_${mib}mib_130m" 130 $tp --cases lm_mamba2_130m $steps --collectives --set $two
