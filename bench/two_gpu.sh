@@ -100,6 +100,7 @@ lhs_flags="--xla_gpu_enable_latency_hiding_scheduler=true"
 # XLA joins no collective-permutes (by default up to 30 MiB are joined into one)
 permutes_apart="--xla_gpu_collective_permute_combine_threshold_bytes=1"
 seq2="mesh.data=1 mesh.seq=2"
+hax_64k="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e"  # issue 17's HAX step, 10 steps timed
 profiled_one_gpu_32k() {  # Mamba-2 130M 1 x 32768 on GPU 0, profiled, with its HLO
     gpu 0 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps --collectives --profile 400 \
         --hlo-dir "$out/hlo_one"
@@ -275,21 +276,20 @@ seq_hax)
         --profile 400 --hlo-dir "$out/hlo_hax_seq2" --set "$layers" $seq2
     ;;
 hax_64k)
-    # The 24-block seq=2 step's first call after compiling returned after 533.8 ms against about 275
-    # later (2026-11-27): timed from that call, 10 steps read 26 ms slower than the steady state.
-    hax="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e"
-    gpu 0 run one_gpu_hax_64k 250 $tp $hax
-    run seq2_hax_64k 330 $tp $hax --set $seq2
-    run seq2_hax_64k_no_warmup 100 $tp $hax --warmup 0 --set $seq2
+    # The 24-block seq=2 step's first call after compiling once returned after 533.8 ms against
+    # about 275 later: a full Python garbage collection in the timed steps (eighteenth session),
+    # which train.py's loop and train_throughput.py now keep off the compiled step's objects.
+    gpu 0 run one_gpu_hax_64k 250 $tp $hax_64k
+    run seq2_hax_64k 330 $tp $hax_64k --set $seq2
+    run seq2_hax_64k_no_warmup 100 $tp $hax_64k --warmup 0 --set $seq2
     ;;
 hax_64k_apart)
     # 4 blocks ran 0.58 ms faster with the permutes apart (SendRecv exposed 0.52 against 1.13 ms on
     # GPU 0), within the spread; the 24-block pair had not been timed side by side.
-    hax="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e"
     XLA_FLAGS=$permutes_apart \
-        run seq2_hax_64k_permutes_apart 330 $tp $hax --set $seq2
-    gpu 0 run one_gpu_hax_64k_again 250 $tp $hax
-    run seq2_hax_64k_again 330 $tp $hax --set $seq2
+        run seq2_hax_64k_permutes_apart 330 $tp $hax_64k --set $seq2
+    gpu 0 run one_gpu_hax_64k_again 250 $tp $hax_64k
+    run seq2_hax_64k_again 330 $tp $hax_64k --set $seq2
     ;;
 hax_sched)
     # In each block's backward the first shard waits for the second (SendRecv exposed 1.21 ms of a
@@ -298,7 +298,7 @@ hax_sched)
     # for the second shard's sparse backward too, and in the forward the state goes in one with the
     # sparse branch's running sums, which the second shard's branch needs first. Then the
     # latency-hiding scheduler, which may run the first shard's other work beside the waits.
-    hax="--cases lm_hax_mamba2_130m_64k --steps 10 --no-e2e --collectives --profile 60"
+    hax="$hax_64k --collectives --profile 60"
     layers="model.n_layer=${LAYERS:-4}"
     run seq2_hax_64k 330 $tp $hax --set "$layers" $seq2
     XLA_FLAGS=$permutes_apart \
