@@ -26,9 +26,9 @@ def test_freeze_collects_first_then_freezes_once_and_releases_on_exit():
         assert garbage() is None  # garbage left before freezing is freed, not kept
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        kept = [_Node() for _ in range(100)]
-        freeze()  # later calls freeze nothing more
-        assert gc.get_freeze_count() == frozen
+        kept = [_Node() for _ in range(1000)]
+        freeze()  # later calls freeze nothing more (frozen objects may still be freed: <=)
+        assert gc.get_freeze_count() <= frozen
         later = _dropped_cycle()
         gc.collect()
         assert later() is None  # objects made after freezing are still collected
@@ -41,9 +41,11 @@ def test_objects_frozen_by_someone_else_stay_theirs():
     try:
         theirs = gc.get_freeze_count()
         with heap.frozen_after_compile() as freeze:
-            freeze()
-            assert gc.get_freeze_count() == theirs
-        assert gc.get_freeze_count() == theirs
+            made_after = [_Node() for _ in range(1000)]
+            freeze()  # freezes none of them (frozen objects may still be freed: <=)
+            assert gc.get_freeze_count() <= theirs
+        assert gc.get_freeze_count() > 0  # theirs are not unfrozen on exit
+        del made_after
     finally:
         gc.unfreeze()
 
