@@ -15,13 +15,14 @@ import gc
 def frozen_after_compile():
     """Yields `freeze()`: its first call collects and then freezes every object alive (call it once
     the step has compiled; later calls do nothing). On exit the frozen objects return to the
-    collector. Freezes nothing if someone else froze objects before (their choice stands)."""
-    ours = gc.get_freeze_count() == 0
+    collector, unless something had frozen objects before the block: `gc.unfreeze` cannot tell
+    theirs from ours, so then all stay frozen (the GPU machines' Python 3.12 starts with 375)."""
+    frozen_before = gc.get_freeze_count() > 0
     frozen = False
 
     def freeze():
         nonlocal frozen
-        if ours and not frozen:
+        if not frozen:
             gc.collect()  # garbage left by compiling is freed now, not kept frozen
             gc.freeze()
             frozen = True
@@ -29,5 +30,5 @@ def frozen_after_compile():
     try:
         yield freeze
     finally:
-        if frozen:
+        if frozen and not frozen_before:
             gc.unfreeze()

@@ -36,15 +36,16 @@ def test_freeze_collects_first_then_freezes_once_and_releases_on_exit():
     del kept
 
 
-def test_objects_frozen_by_someone_else_stay_theirs():
+def test_freezes_also_after_someone_elses_freeze_and_leaves_theirs_frozen():
+    # The GPU machines' Python starts with objects frozen (375): the freeze must not depend on 0.
     gc.freeze()
     try:
         theirs = gc.get_freeze_count()
         with heap.frozen_after_compile() as freeze:
             made_after = [_Node() for _ in range(1000)]
-            freeze()  # freezes none of them (frozen objects may still be freed: <=)
-            assert gc.get_freeze_count() <= theirs
-        assert gc.get_freeze_count() > 0  # theirs are not unfrozen on exit
+            freeze()
+            assert gc.get_freeze_count() >= theirs + len(made_after)
+        assert gc.get_freeze_count() >= theirs  # theirs are not unfrozen on exit
         del made_after
     finally:
         gc.unfreeze()

@@ -348,6 +348,7 @@ def test_a_split_sequence_on_gpus_joins_all_reduces_up_to_a_block(tmp_path):
 def test_the_loop_freezes_the_compiled_steps_objects_and_releases_them(tmp_path):
     trainer = _trainer([*SMALL, "train.num_steps=3"], tmp_path / "run")
     frozen_at_call, step_fn = [], trainer.step_fn
+    before = gc.get_freeze_count()  # 0 here; the GPU machines' Python starts with some frozen
 
     def recording(state, batch):
         frozen_at_call.append(gc.get_freeze_count())
@@ -357,8 +358,10 @@ def test_the_loop_freezes_the_compiled_steps_objects_and_releases_them(tmp_path)
     with jax.set_mesh(trainer.mesh):
         trainer.run()
     trainer.close()
-    assert frozen_at_call[0] == 0 and all(count > 0 for count in frozen_at_call[1:])
-    assert len(frozen_at_call) == 3 and gc.get_freeze_count() == 0
+    assert frozen_at_call[0] == before and all(count > before for count in frozen_at_call[1:])
+    assert len(frozen_at_call) == 3
+    if before == 0:
+        assert gc.get_freeze_count() == 0  # released (with others' frozen, ours stay: heap.py)
 
 
 def test_a_workdir_of_another_model_is_refused(tmp_path):
