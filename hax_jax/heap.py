@@ -14,10 +14,10 @@ import gc
 @contextlib.contextmanager
 def frozen_after_compile():
     """Yields `freeze()`: its first call collects and then freezes every object alive (call it once
-    the step has compiled; later calls do nothing). On exit the frozen objects return to the
-    collector, unless something had frozen objects before the block: `gc.unfreeze` cannot tell
-    theirs from ours, so then all stay frozen (the GPU machines' Python 3.12 starts with 375)."""
-    frozen_before = gc.get_freeze_count() > 0
+    the step has compiled; later calls do nothing), whether or not something froze objects before
+    (the GPU machines' Python 3.12 starts with 375 frozen). On exit every frozen object returns to
+    the collector, those frozen before too: `gc.unfreeze` cannot tell them apart, and freezing is
+    only a hint, while a frozen cycle is never freed (a finished run's arrays would stay)."""
     frozen = False
 
     def freeze():
@@ -30,5 +30,5 @@ def frozen_after_compile():
     try:
         yield freeze
     finally:
-        if frozen and not frozen_before:
+        if frozen:
             gc.unfreeze()

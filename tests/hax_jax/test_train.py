@@ -360,8 +360,7 @@ def test_the_loop_freezes_the_compiled_steps_objects_and_releases_them(tmp_path)
     trainer.close()
     assert frozen_at_call[0] == before and all(count > before for count in frozen_at_call[1:])
     assert len(frozen_at_call) == 3
-    if before == 0:
-        assert gc.get_freeze_count() == 0  # released (with others' frozen, ours stay: heap.py)
+    assert gc.get_freeze_count() == 0  # released, whatever was frozen before (heap.py)
 
 
 def test_a_workdir_of_another_model_is_refused(tmp_path):
