@@ -25,13 +25,12 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_throughput import MODELS, ROOT
+from bench.hlo_liveness import ALIASES, INSTRUCTION
 from hax_jax.config import load_config_file
 from hax_jax.models.lm import LanguageModel
 
 # the module (hax_jax.generate is also the function's name in the package)
 generation = importlib.import_module("hax_jax.generate")
-# Instructions that launch no kernel of their own.
-NOT_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 
 
 def loop_body_ops(hlo: str) -> collections.Counter:
@@ -44,9 +43,9 @@ def loop_body_ops(hlo: str) -> collections.Counter:
         raise ValueError("the decode program has no while loop")
     ops = collections.Counter()
     for line in max(bodies, key=len).splitlines()[1:]:
-        found = re.search(r"= \S+ ([a-z][\w\-]*)\(", line)
-        if found and found.group(1) not in NOT_OPS:
-            ops[found.group(1)] += 1
+        found = INSTRUCTION.match(line)
+        if found and found[3] not in ALIASES:  # aliases launch no kernel of their own
+            ops[found[3]] += 1
     return ops
 
 

@@ -13,8 +13,8 @@ _spec = importlib.util.spec_from_file_location(
 decode_ops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(decode_ops)
 
-# Two loops: the larger body (3 ops: a fusion, a dot, a sort; parameter, tuple and
-# get-tuple-element launch nothing) is the one counted; the small one has 1.
+# Two loops: the larger body (4 ops: two fusions, one of them with a tuple result, a dot, a sort;
+# parameter, tuple and get-tuple-element launch nothing) is the one counted; the small one has 1.
 HLO = """HloModule decode
 
 %small_body (p: (s32[])) -> (s32[]) {
@@ -29,6 +29,7 @@ HLO = """HloModule decode
   %i = s32[] get-tuple-element(%p), index=0
   %x = f32[4,4] get-tuple-element(%p), index=1
   %n = s32[] fusion(%i), kind=kLoop, calls=%f0
+  %m = (f32[4,4], f32[4]) fusion(%x), kind=kLoop, calls=%f1
   %d = f32[4,4] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %s = f32[4,4] sort(%d), dimensions={1}, to_apply=%lt
   ROOT %t = (s32[], f32[4,4]) tuple(%n, %s)
@@ -44,7 +45,7 @@ ENTRY %main (a: s32[], b: f32[4,4]) -> (s32[], f32[4,4]) {
 
 
 def test_the_largest_loop_body_is_counted_without_the_ops_that_launch_nothing():
-    assert decode_ops.loop_body_ops(HLO) == {"fusion": 1, "dot": 1, "sort": 1}
+    assert decode_ops.loop_body_ops(HLO) == {"fusion": 2, "dot": 1, "sort": 1}
 
 
 def _loop_ops(sorts: int):
