@@ -78,6 +78,9 @@ def main() -> None:
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:
         sys.exit(f"error: unknown --models {','.join(unknown)}; known: {','.join(MODELS)}")
+    for flag, value in (("--batch", args.batch), ("--prompt", args.prompt)):
+        if value < 1:
+            sys.exit(f"error: {flag} must be at least 1, got {value}")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     for name in args.models.split(","):
         one, two = (decode_ops(name, n, args.batch, args.prompt) for n in (1, 2))
