@@ -12,6 +12,8 @@ mode=${1:?mode: short or long}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/hax_jax_cache}
+# One GPU unless the caller chose: on a machine of several the bench would split the batch over "data".
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 case $mode in
 short) mamba2=lm_mamba2_130m hax=lm_hax_mamba2_130m steps=20 extra="" ;;
 long) mamba2=lm_mamba2_130m_32k hax=lm_hax_mamba2_130m_64k steps=10 extra="--set data.seq_len=65536" ;;
