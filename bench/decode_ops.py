@@ -2,11 +2,13 @@
 (its while loop) in XLA's optimized HLO, by model, as a model of two layers minus one of one.
 
     python bench/decode_ops.py [--models mamba2_130m,hax_mamba2_130m] [--batch 1] [--prompt 64]
+        [--hlo-dir DIR]
 
 Each such op (a fusion, a dot, a sort, a gather) is a kernel launch a token on a GPU, which is most
 of a small-batch decode step's time: the count says how far a mixer's step is from another's without
 timing either. The HLO is the current backend's own (a GPU's fuses differently from a CPU's), so
-counts compare only within one backend; prints one JSON line per model, with the opcodes' counts.
+counts compare only within one backend; prints one JSON line per model, with the opcodes' counts and
+the copies' shapes (a cache meant to be updated in place but copied costs its whole size a token).
 """
 
 import argparse
@@ -33,24 +35,36 @@ from hax_jax.models.lm import LanguageModel
 generation = importlib.import_module("hax_jax.generate")
 
 
-def loop_body_ops(hlo: str) -> collections.Counter:
-    """Opcode counts of the largest while-loop body in an optimized HLO module's text."""
+def _loop_body(hlo: str) -> list[tuple[str, str]]:
+    """(opcode, result shape) of each kernel-launching instruction of the largest while-loop body
+    in an optimized HLO module's text."""
     bodies = []
     for name in re.findall(r"body=%?([\w.\-]+)", hlo):
         start = hlo.index(f"%{name} ")
         bodies.append(hlo[start : hlo.index("\n}\n", start)])
     if not bodies:
         raise ValueError("the decode program has no while loop")
-    ops = collections.Counter()
-    for line in max(bodies, key=len).splitlines()[1:]:
-        found = INSTRUCTION.match(line)
-        if found and found[3] not in ALIASES:  # aliases launch no kernel of their own
-            ops[found[3]] += 1
-    return ops
+    found = (INSTRUCTION.match(line) for line in max(bodies, key=len).splitlines()[1:])
+    # aliases launch no kernel of their own
+    return [(m[3], m[2]) for m in found if m and m[3] not in ALIASES]
 
 
-def decode_ops(name: str, n_layer: int, batch: int, prompt: int) -> collections.Counter:
-    """The decode loop body's ops of model `name` with n_layer layers (random bf16 weights)."""
+def loop_body_ops(hlo: str) -> collections.Counter:
+    """Opcode counts of the largest while-loop body in an optimized HLO module's text."""
+    return collections.Counter(op for op, _ in _loop_body(hlo))
+
+
+def loop_body_copies(hlo: str) -> collections.Counter:
+    """The result shapes of that body's copies (a buffer the step rewrites copied every token,
+    where an in-place update was meant), counted by shape."""
+    return collections.Counter(
+        re.sub(r"\{[^}]*\}", "", shape) for op, shape in _loop_body(hlo) if op == "copy"
+    )
+
+
+def decode_hlo(name: str, n_layer: int, batch: int, prompt: int) -> str:
+    """The optimized HLO of generate's decode program for model `name` with n_layer layers (random
+    bf16 weights)."""
     cfg = load_config_file(ROOT / MODELS[name]).model
     cfg = dataclasses.replace(cfg, dtype="bfloat16", n_layer=n_layer)
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
@@ -66,7 +80,7 @@ def decode_ops(name: str, n_layer: int, batch: int, prompt: int) -> collections.
         generation.generate(model, tokens, 2)
     finally:
         generation._decode = decode
-    return loop_body_ops(compiled[-1])
+    return compiled[-1]
 
 
 def main() -> None:
@@ -74,6 +88,7 @@ def main() -> None:
     parser.add_argument("--models", default="mamba2_130m,hax_mamba2_130m")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--hlo-dir", type=Path, help="also write each decode program's HLO here")
     args = parser.parse_args()
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:
@@ -83,15 +98,26 @@ def main() -> None:
             sys.exit(f"error: {flag} must be at least 1, got {value}")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     for name in args.models.split(","):
-        one, two = (decode_ops(name, n, args.batch, args.prompt) for n in (1, 2))
-        per_layer = {op: two[op] - one[op] for op in sorted(two | one) if two[op] != one[op]}
+        one, two = (decode_hlo(name, n, args.batch, args.prompt) for n in (1, 2))
+        if args.hlo_dir:
+            args.hlo_dir.mkdir(parents=True, exist_ok=True)
+            for n, text in ((1, one), (2, two)):
+                (args.hlo_dir / f"{name}_{n}_layers.hlo.txt").write_text(text)
+        ops = {n: loop_body_ops(text) for n, text in ((1, one), (2, two))}
+        per_layer = {
+            op: ops[2][op] - ops[1][op]
+            for op in sorted(ops[2] | ops[1])
+            if ops[2][op] != ops[1][op]
+        }
+        copies = loop_body_copies(two) - loop_body_copies(one)
         row = {"model": name, "batch": args.batch, "ops_per_layer": sum(per_layer.values())}
         print(
             json.dumps(
                 {
                     **row,
-                    "outside_layers": sum(one.values()) - row["ops_per_layer"],
+                    "outside_layers": sum(ops[1].values()) - row["ops_per_layer"],
                     "by_opcode": per_layer,
+                    "copies_per_layer": dict(sorted(copies.items())),
                 }
             ),
             flush=True,

@@ -13,8 +13,8 @@ _spec = importlib.util.spec_from_file_location(
 decode_ops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(decode_ops)
 
-# Two loops: the larger body (4 ops: two fusions, one of them with a tuple result, a dot, a sort;
-# parameter, tuple and get-tuple-element launch nothing) is the one counted; the small one has 1.
+# Two loops: the larger body (5 ops: two fusions, one of them with a tuple result, a dot, a sort,
+# a copy; parameter, tuple and get-tuple-element launch nothing) is counted; the small one has 1.
 HLO = """HloModule decode
 
 %small_body (p: (s32[])) -> (s32[]) {
@@ -32,7 +32,8 @@ HLO = """HloModule decode
   %m = (f32[4,4], f32[4]) fusion(%x), kind=kLoop, calls=%f1
   %d = f32[4,4] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %s = f32[4,4] sort(%d), dimensions={1}, to_apply=%lt
-  ROOT %t = (s32[], f32[4,4]) tuple(%n, %s)
+  %c = f32[4,4]{0,1} copy(%s)
+  ROOT %t = (s32[], f32[4,4]) tuple(%n, %c)
 }
 
 ENTRY %main (a: s32[], b: f32[4,4]) -> (s32[], f32[4,4]) {
@@ -45,7 +46,11 @@ ENTRY %main (a: s32[], b: f32[4,4]) -> (s32[], f32[4,4]) {
 
 
 def test_the_largest_loop_body_is_counted_without_the_ops_that_launch_nothing():
-    assert decode_ops.loop_body_ops(HLO) == {"fusion": 2, "dot": 1, "sort": 1}
+    assert decode_ops.loop_body_ops(HLO) == {"fusion": 2, "dot": 1, "sort": 1, "copy": 1}
+
+
+def test_the_loop_bodys_copies_are_named_by_shape_without_layout():
+    assert decode_ops.loop_body_copies(HLO) == {"f32[4,4]": 1}
 
 
 def _loop_ops(sorts: int):
