@@ -96,11 +96,15 @@ def main() -> None:
     for flag, value in (("--batch", args.batch), ("--prompt", args.prompt)):
         if value < 1:
             sys.exit(f"error: {flag} must be at least 1, got {value}")
+    if args.hlo_dir:  # before any compile
+        try:
+            args.hlo_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            sys.exit(f"error: --hlo-dir {args.hlo_dir}: {err.strerror}")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     for name in args.models.split(","):
         one, two = (decode_hlo(name, n, args.batch, args.prompt) for n in (1, 2))
         if args.hlo_dir:
-            args.hlo_dir.mkdir(parents=True, exist_ok=True)
             for n, text in ((1, one), (2, two)):
                 (args.hlo_dir / f"{name}_{n}_layers.hlo.txt").write_text(text)
         ops = {n: loop_body_ops(text) for n, text in ((1, one), (2, two))}

@@ -257,6 +257,14 @@ def main() -> None:
     for name, least in (("steps", 1), ("warmup", 0), ("profile", 0)):
         if getattr(args, name) < least:
             parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
+    unknown = sorted(set(args.cases.split(",")) - set(CASES))
+    if unknown:
+        parser.error(f"unknown --cases {','.join(unknown)}; known: {','.join(CASES)}")
+    if args.hlo_dir:  # before any compile, not after the first case's
+        try:
+            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            parser.error(f"--hlo-dir {args.hlo_dir}: {err.strerror}")
     device = jax.devices()[0]
     header = (
         f"\n### train step throughput: {device.device_kind} ({device.platform}), "

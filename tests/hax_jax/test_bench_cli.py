@@ -1,0 +1,38 @@
+"""The step and decode benches refuse bad arguments with one error line naming the value, before
+they compile anything (an unwritable --hlo-dir used to fail only after the first compile)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize(
+    "script, args, named",
+    [
+        ("train_throughput.py", ["--cases", "lm_nope"], "unknown --cases lm_nope"),
+        ("train_throughput.py", ["--hlo-dir", "{file}/hlo"], "--hlo-dir {file}/hlo"),
+        ("decode_ops.py", ["--hlo-dir", "{file}/hlo"], "--hlo-dir {file}/hlo"),
+        ("decode_ops.py", ["--batch", "0"], "--batch must be at least 1, got 0"),
+    ],
+    ids=["unknown-case", "step-hlo-dir-under-a-file", "decode-hlo-dir-under-a-file", "batch-0"],
+)
+def test_bad_arguments_stop_with_one_error_line(tmp_path, script, args, named):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    args = [a.format(file=a_file) for a in args]
+    run = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and named.format(file=a_file) in errors[0], run.stderr
