@@ -19,6 +19,7 @@ which.
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -26,11 +27,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from hax_jax.config import load_config_file
-from hax_jax.generate import generate
-from hax_jax.models.lm import LanguageModel
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import timing  # noqa: E402
+from hax_jax.config import load_config_file  # noqa: E402
+from hax_jax.generate import generate  # noqa: E402
+from hax_jax.models.lm import LanguageModel  # noqa: E402
+
 MODELS = {
     "mamba2_130m": "configs/released.py:mamba2_130m",
     "hax_mamba2_130m": "configs/hax_130m.py",
@@ -122,9 +126,16 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--write", default="")
     args = parser.parse_args()
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        sys.exit(f"error: unknown --models {','.join(unknown)}; known: {','.join(MODELS)}")
+    for flag in ("prompt", "new", "repeats"):
+        if getattr(args, flag) < 1:
+            sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
+    batches = timing.ascending_ints(args.batches, "--batches")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     results = []
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in batches:
         for name in args.models.split(","):
             results.append(ours(name, batch, args.prompt, args.new, args.repeats))
             print(json.dumps(results[-1]), flush=True)

@@ -73,6 +73,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per attempt")
     args = parser.parse_args()
     lengths = timing.ascending_ints(args.lengths, "--lengths")
+    from bench.train_throughput import CASES  # jax and the library: only once the flags parse
+
+    if args.case not in CASES:  # else every attempt would fail and read as "did not fit"
+        sys.exit(f"error: unknown --case {args.case}; known: {','.join(CASES)}")
     print(
         f"\n{args.case} {' '.join(args.set)}\n\n| {args.key} | step ms | tokens/s | peak GiB "
         "per device |\n| ---: | ---: | ---: | --- |",

@@ -1,5 +1,7 @@
-"""The step and decode benches refuse bad arguments with one error line naming the value, before
-they compile anything (an unwritable --hlo-dir used to fail only after the first compile)."""
+"""The step, decode and longest-row benches refuse bad arguments with one error line naming the
+value, before they compile anything (an unknown case or model was a KeyError traceback, an
+unwritable --hlo-dir failed only after the first compile, and longest_sequence.py reported an
+unknown case as "did not fit")."""
 
 import os
 import subprocess
@@ -18,8 +20,19 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("train_throughput.py", ["--hlo-dir", "{file}/hlo"], "--hlo-dir {file}/hlo"),
         ("decode_ops.py", ["--hlo-dir", "{file}/hlo"], "--hlo-dir {file}/hlo"),
         ("decode_ops.py", ["--batch", "0"], "--batch must be at least 1, got 0"),
+        ("decode_throughput.py", ["--models", "nope"], "unknown --models nope"),
+        ("decode_throughput.py", ["--batches", "0"], "--batches must be positive"),
+        ("longest_sequence.py", ["--case", "lm_nope"], "unknown --case lm_nope"),
     ],
-    ids=["unknown-case", "step-hlo-dir-under-a-file", "decode-hlo-dir-under-a-file", "batch-0"],
+    ids=[
+        "unknown-case",
+        "step-hlo-dir-under-a-file",
+        "decode-hlo-dir-under-a-file",
+        "batch-0",
+        "unknown-decode-model",
+        "decode-batch-0",
+        "longest-unknown-case",
+    ],
 )
 def test_bad_arguments_stop_with_one_error_line(tmp_path, script, args, named):
     a_file = tmp_path / "a_file"
