@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import timing
 from pallas_kernels.sparse_attention import sparse_attention
 
 BF16 = jnp.bfloat16
@@ -122,11 +123,15 @@ def main():
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", metavar="PATH", help="write the rows and settings here")
     args = parser.parse_args()
+    timing.check_sizes(parser, args, zero_ok=("dense_max",))
     on_gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     rows = []
     for l in args.lengths:
-        ours = pallas_ms(l, args, rng)
+        try:
+            ours = pallas_ms(l, args, rng)
+        except ValueError as err:  # the op's own check of the sizes and blocks
+            parser.error(str(err))
         dense = cudnn_ms(l, args, rng) if on_gpu and l <= args.dense_max else None
         rows.append(dict(l=l, pallas_ms=ours, cudnn_ms=dense))
         print(f"l={l}: pallas {ours:.3f} ms, cudnn {dense} ms", file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import timing
 from pallas_kernels.sparse_attention import (
     SparseSpec,
     sparse_attention,
@@ -196,9 +197,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", metavar="PATH", help="markdown file to put the section in")
     args = parser.parse_args()
+    timing.check_sizes(parser, args, zero_ok=("dense_max",))
     rows = []
     for l in args.lengths:
-        sparse = measure(sparse_attention, l, args)
+        try:
+            sparse = measure(sparse_attention, l, args)
+        except ValueError as err:  # the op's own check of the sizes, e.g. num_keys
+            parser.error(str(err))
         dense = (None, None)
         if l <= args.dense_max:
             dense = measure(dense_reference, l, args, budget_bytes=args.dense_budget_gib * 2**30)

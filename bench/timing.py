@@ -297,6 +297,16 @@ def ascending_ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def check_sizes(parser, args, *, zero_ok=()) -> None:
+    """parser.error naming the first integer argument (or element of a list of them) below 1 (below
+    0 for the names in zero_ok): the benches' sizes, lengths and repeats."""
+    for name, value in vars(args).items():
+        least = 0 if name in zero_ok else 1
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v < least:
+                parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
+
+
 def parse_config(text):
     """'name:key=value,key=value' -> (name, {key: value}), values ints or true / false."""
     name, _, rest = text.partition(":")

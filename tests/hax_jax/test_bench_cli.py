@@ -1,7 +1,7 @@
-"""The step, decode and longest-row benches refuse bad arguments with one error line naming the
-value, before they compile anything (an unknown case or model was a KeyError traceback, an
-unwritable --hlo-dir failed only after the first compile, and longest_sequence.py reported an
-unknown case as "did not fit")."""
+"""The step, decode, longest-row and sparse-attention benches refuse bad arguments with one error
+line naming the value, before they compile anything (an unknown case or model was a KeyError
+traceback, an unwritable --hlo-dir failed only after the first compile, longest_sequence.py
+reported an unknown case as "did not fit", a zero length or a bad block was a traceback)."""
 
 import os
 import subprocess
@@ -23,6 +23,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("decode_throughput.py", ["--models", "nope"], "unknown --models nope"),
         ("decode_throughput.py", ["--batches", "0"], "--batches must be positive"),
         ("longest_sequence.py", ["--case", "lm_nope"], "unknown --case lm_nope"),
+        ("sparse_attention_scaling.py", ["--lengths", "0"], "--lengths must be at least 1, got 0"),
+        ("sparse_attention_kernel.py", ["--block-q", "24"], "block_q must be a power of two"),
     ],
     ids=[
         "unknown-case",
@@ -32,6 +34,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         "unknown-decode-model",
         "decode-batch-0",
         "longest-unknown-case",
+        "scaling-length-0",
+        "kernel-block-not-a-power-of-two",
     ],
 )
 def test_bad_arguments_stop_with_one_error_line(tmp_path, script, args, named):
