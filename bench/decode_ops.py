@@ -26,7 +26,8 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_throughput import MODELS, ROOT
+from bench import timing
+from bench.decode_throughput import MODELS, ROOT, model_names
 from bench.hlo_liveness import ALIASES, INSTRUCTION
 from hax_jax.config import load_config_file
 from hax_jax.models.lm import LanguageModel
@@ -90,19 +91,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--hlo-dir", type=Path, help="also write each decode program's HLO here")
     args = parser.parse_args()
-    unknown = sorted(set(args.models.split(",")) - set(MODELS))
-    if unknown:
-        sys.exit(f"error: unknown --models {','.join(unknown)}; known: {','.join(MODELS)}")
-    for flag, value in (("--batch", args.batch), ("--prompt", args.prompt)):
-        if value < 1:
-            sys.exit(f"error: {flag} must be at least 1, got {value}")
-    if args.hlo_dir:  # before any compile
-        try:
-            args.hlo_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            sys.exit(f"error: --hlo-dir {args.hlo_dir}: {err.strerror}")
+    names = model_names(args.models)
+    timing.check_sizes(parser, args)
+    if args.hlo_dir:
+        timing.make_dir(parser, "--hlo-dir", args.hlo_dir)
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
-    for name in args.models.split(","):
+    for name in names:
         one, two = (decode_hlo(name, n, args.batch, args.prompt) for n in (1, 2))
         if args.hlo_dir:
             for n, text in ((1, one), (2, two)):

@@ -115,6 +115,16 @@ def rates(impl, name, batch, prompt, new, prefill, whole) -> dict:
     }
 
 
+def model_names(text: str) -> list[str]:
+    """A command line's --models "a,b" -> ["a", "b"]; SystemExit with one error line naming any
+    not in MODELS."""
+    names = text.split(",")
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        sys.exit(f"error: unknown --models {','.join(unknown)}; known: {','.join(MODELS)}")
+    return names
+
+
 def main() -> None:
     """Runs every (model, batch) and prints one JSON line each; --write saves them all."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -126,17 +136,13 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--write", default="")
     args = parser.parse_args()
-    unknown = sorted(set(args.models.split(",")) - set(MODELS))
-    if unknown:
-        sys.exit(f"error: unknown --models {','.join(unknown)}; known: {','.join(MODELS)}")
-    for flag in ("prompt", "new", "repeats"):
-        if getattr(args, flag) < 1:
-            sys.exit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
+    names = model_names(args.models)
+    timing.check_sizes(parser, args)
     batches = timing.ascending_ints(args.batches, "--batches")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     results = []
     for batch in batches:
-        for name in args.models.split(","):
+        for name in names:
             results.append(ours(name, batch, args.prompt, args.new, args.repeats))
             print(json.dumps(results[-1]), flush=True)
         if args.peer:

@@ -12,6 +12,7 @@ import re
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 
@@ -305,6 +306,14 @@ def check_sizes(parser, args, *, zero_ok=()) -> None:
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, int) and not isinstance(v, bool) and v < least:
                 parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
+
+
+def make_dir(parser, flag: str, path) -> None:
+    """Creates the directory a flag names before compiling; parser.error naming it if it cannot."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"{flag} {path}: {err.strerror}")
 
 
 def parse_config(text):

@@ -254,17 +254,12 @@ def main() -> None:
         "--warmup", type=int, default=2, help="untimed steps after the first (one-off costs; PGLE)"
     )
     args = parser.parse_args()
-    for name, least in (("steps", 1), ("warmup", 0), ("profile", 0)):
-        if getattr(args, name) < least:
-            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
+    timing.check_sizes(parser, args, zero_ok=("warmup", "profile"))
     unknown = sorted(set(args.cases.split(",")) - set(CASES))
     if unknown:
         parser.error(f"unknown --cases {','.join(unknown)}; known: {','.join(CASES)}")
     if args.hlo_dir:  # before any compile, not after the first case's
-        try:
-            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            parser.error(f"--hlo-dir {args.hlo_dir}: {err.strerror}")
+        timing.make_dir(parser, "--hlo-dir", args.hlo_dir)
     device = jax.devices()[0]
     header = (
         f"\n### train step throughput: {device.device_kind} ({device.platform}), "
