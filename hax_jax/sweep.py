@@ -8,19 +8,12 @@ runs (a checkpoint at train.num_steps and its test result), resumes the others f
 checkpoints (a larger train.num_steps continues where the last sitting stopped) and evaluates what
 was trained but not yet evaluated. Ctrl-C or SIGTERM makes every running train.py save and stop.
 
-Writes OUT/summary.json (every run: cell, seed, steps, tokens seen, test accuracy, path),
-OUT/table.md (each cell's test accuracy, mean and standard deviation over seeds, beside the
-config's PAPER_ACCURACY) and OUT/curves/<cell>.png (valid accuracy and loss against the step, a
-line per seed; needs matplotlib, the `sweep` extra; --no-plots skips them). A seed is the run's
-`seed=` (parameters, training rng): all seeds of a cell see the same data (data.seed) and the same
-test split. The config file lists its cells in VARIANTS (configs/joint_recall.py: `mamba2,hax`,
-`samba`, ...).
-
---publish DIR (e.g. results/joint_recall), once every run is done, copies of each run what eval.py
-reads (config.json, best/) with its metrics.jsonl and test result, not the training checkpoints, to
-DIR/<cell>-s<seed>/, and merges the runs into DIR/summary.json, table.md and curves/: a directory
-small enough to commit, in which `python eval.py DIR/<cell>-s<seed> --tasks joint_recall --split
-test` gives each number again.
+Writes OUT/summary.json (every run: cell, seed, steps, test accuracy, path), OUT/table.md (each
+cell's test accuracy, mean and standard deviation over seeds, beside the config's PAPER_ACCURACY)
+and OUT/curves/<cell>.png (valid accuracy and loss against the step, a line per seed; needs
+matplotlib, the `sweep` extra; --no-plots skips them). A seed is the run's `seed=` (parameters,
+training rng): all seeds of a cell see the same data (data.seed) and the same test split. The config
+file lists its cells in VARIANTS (configs/joint_recall.py: `mamba2,hax`, `samba`, ...).
 """
 
 import argparse
@@ -41,7 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hax_jax import config as config_lib
-from hax_jax.data.pipeline import row_length
 
 ROOT = Path(__file__).resolve().parents[1]  # train.py and eval.py live beside the package
 EVAL_TASKS = ("joint_recall", "mqar")
@@ -58,7 +50,6 @@ class Run:
     num_steps: int
     task: str  # the eval.py task of its test split
     eval_batch_size: int
-    tokens_per_step: int  # batch rows x row length: a run's tokens seen are steps x this
 
     def result_file(self, step: int) -> Path:
         """eval.py's test-split result for the parameters trained to `step`."""
@@ -86,14 +77,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="", help="output directory (default results/<config>)")
     parser.add_argument("--no-plots", action="store_true", help="skip the learning-curve PNGs")
-    parser.add_argument(
-        "--publish",
-        default="",
-        metavar="DIR",
-        help="once every run is done: copy what eval.py and the curves need of each run "
-        "(config.json, best/, metrics.jsonl, its test result; not the training checkpoints) to "
-        "DIR/<cell>-s<seed>/ and merge the runs into DIR/summary.json, table.md and curves/",
-    )
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if "=" not in o]
     if unknown:
@@ -119,8 +102,6 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
                 f"the sweep sets workdir and seed for each run (--out, --seeds); got {override!r}"
             )
     out = Path(args.out or Path("results") / Path(args.config).stem).absolute()
-    if args.publish and Path(args.publish).absolute() == out:
-        raise ValueError(f"--publish {args.publish!r} is the sweep's own --out; name another")
     runs = []
     for cell in cells:
         cfg = config_lib.apply_overrides(module.get_config(cell), args.overrides)
@@ -132,15 +113,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
         for seed in seeds:
             path = out / f"{cell}-s{seed}"
             runs.append(
-                Run(
-                    cell,
-                    seed,
-                    path,
-                    cfg.train.num_steps,
-                    cfg.data.task,
-                    cfg.data.batch_size,
-                    cfg.data.batch_size * row_length(cfg),
-                )
+                Run(cell, seed, path, cfg.train.num_steps, cfg.data.task, cfg.data.batch_size)
             )
     return runs, getattr(module, "PAPER_ACCURACY", {})
 
@@ -317,7 +290,6 @@ def summarize(runs: list[Run], statuses: dict[Run, str], paper: dict) -> dict:
     for run in runs:
         step = latest_step(run.path)
         entry = {"cell": run.cell, "seed": run.seed, "path": str(run.path), "steps": step}
-        entry["tokens"] = None if step is None else step * run.tokens_per_step
         entry["status"] = statuses[run]
         if statuses[run] == "done":
             result = json.loads(run.result_file(step).read_text())[run.task]
@@ -326,13 +298,8 @@ def summarize(runs: list[Run], statuses: dict[Run, str], paper: dict) -> dict:
             entry["test_loss"] = result["loss"]
             entry["test_examples"] = result["examples"]
         entries[run.path.name] = entry
-    return {"runs": entries, "cells": cell_results(entries, paper)}
-
-
-def cell_results(entries: dict, paper: dict) -> dict:
-    """Each cell's test accuracies over its evaluated seeds, their mean and std, the paper's."""
     cells = {}
-    for cell in dict.fromkeys(e["cell"] for e in entries.values()):
+    for cell in dict.fromkeys(run.cell for run in runs):
         done = [e for e in entries.values() if e["cell"] == cell and "test_accuracy" in e]
         accuracies = [e["test_accuracy"] for e in done]
         cells[cell] = {
@@ -343,7 +310,7 @@ def cell_results(entries: dict, paper: dict) -> dict:
             "std": statistics.stdev(accuracies) if len(accuracies) > 1 else None,
             "paper": paper.get(cell),
         }
-    return cells
+    return {"runs": entries, "cells": cells}
 
 
 def table(summary: dict, config: str) -> str:
@@ -442,43 +409,7 @@ def main(argv: list[str]) -> dict:
     ]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(runs)} runs did not finish: {'; '.join(failed)}")
-    if args.publish:
-        publish(runs, summary, Path(args.publish), paper, plots=not args.no_plots)
     return summary
-
-
-# Of a run, what eval.py (config.json, best/) and the curves (metrics.jsonl) read; its test result.
-PUBLISHED = ("config.json", "best", "metrics.jsonl")
-
-
-def publish(runs: list[Run], summary: dict, directory: Path, paper: dict, plots: bool) -> None:
-    """Copies each run's published files to directory/<run>/ (replacing an earlier copy) and merges
-    the runs into directory/summary.json (paths relative to it), table.md and curves/."""
-    directory.mkdir(parents=True, exist_ok=True)
-    index = directory / "summary.json"
-    merged = json.loads(index.read_text()) if index.exists() else {"config": summary["config"]}
-    if Path(merged["config"]).name != Path(summary["config"]).name:
-        raise ValueError(
-            f"{str(index)!r} holds runs of {merged['config']!r}, not of {summary['config']!r}"
-        )
-    entries = merged.get("runs", {})
-    copies = []
-    for run in runs:
-        entry = dict(summary["runs"][run.path.name], path=run.path.name)
-        entry["overrides"] = summary["overrides"]
-        target = directory / run.path.name
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir()
-        for name in (*PUBLISHED, run.result_file(entry["steps"]).name):
-            source = run.path / name
-            (shutil.copytree if source.is_dir() else shutil.copy2)(source, target / name)
-        entries[run.path.name] = entry
-        copies.append(dataclasses.replace(run, path=target))
-    merged = {"config": summary["config"], "runs": entries, "cells": cell_results(entries, paper)}
-    index.write_text(json.dumps(merged, indent=2) + "\n")
-    (directory / "table.md").write_text(table(merged, summary["config"]))
-    if plots:
-        plot_curves(copies, directory / "curves")
 
 
 def cli() -> None:
