@@ -35,6 +35,11 @@ os.environ.setdefault(
     os.path.join(tempfile.gettempdir(), f"hax_jax_test_compile_cache_{os.getuid()}"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# Generated evaluation splits (hax_jax.data.split_cache) of the suite's runs, not the user's cache.
+os.environ.setdefault(
+    "HAX_JAX_CACHE",
+    os.path.join(tempfile.gettempdir(), f"hax_jax_test_data_cache_{os.getuid()}"),
+)
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
 
 import gc

@@ -18,8 +18,13 @@ import functools
 import hashlib
 import itertools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
+
+from hax_jax.data import split_cache
 
 BOS, PAD, SEP = 1, 3, 4
 LAST = (1 << 63) - 1  # a sort key above every 63-bit word: padding children sort last
@@ -297,7 +302,9 @@ class JointRecallSource:
     often). Splits are disjoint by construction: an example belongs to the split whose range holds
     its hash, and each index draws (deterministically) until it gets one of its own split. With
     next_token=True, examples are the training schema of `to_example` (length padded_length - 1),
-    else raw {"tokens", "mask"} (length padded_length).
+    else raw {"tokens", "mask"} (length padded_length). With cache_dir, every example is drawn at
+    the first access and kept in that directory for later processes (split_cache): the same
+    examples, drawn once per machine.
     """
 
     def __init__(
@@ -314,6 +321,7 @@ class JointRecallSource:
         outer_levels=(),
         vocab_size: int = 100,
         next_token: bool = False,
+        cache_dir: Path | None = None,
     ):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; known: {tuple(SPLITS)}")
@@ -340,6 +348,7 @@ class JointRecallSource:
         lo, hi = SPLITS[split]
         words = draw_count((*outer_levels, max_n_context, max_n_key))
         self.attempts_per_batch = max(1, min(-(-500 // (hi - lo)), (1 << 20) // words))
+        self.vocab_size, self.cache_dir, self.stored = vocab_size, cache_dir, None
 
     def __len__(self) -> int:
         """The number of examples."""
@@ -349,6 +358,18 @@ class JointRecallSource:
         """{"tokens": (L,), "mask": (L,)} int32, or the schema of `to_example` with next_token."""
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for a {self.split} split of {self.size}")
+        if self.cache_dir is None:
+            tokens, mask = self._draw(index)
+        else:
+            if self.stored is None:
+                name = self._cache_name()
+                self.stored = split_cache.load_or_build(name, self._draw_all, self.cache_dir)
+            tokens = self.stored["tokens"][index].astype(np.int32)
+            mask = self.stored["mask"][index].astype(np.int32)
+        return to_example(tokens, mask) if self.next_token else {"tokens": tokens, "mask": mask}
+
+    def _draw(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Example `index`'s (tokens, mask): its first attempt hashed into the split's range."""
         lo, hi = SPLITS[self.split]
         batch = self.attempts_per_batch
         for first in range(0, 1_000_000, batch):
@@ -359,15 +380,33 @@ class JointRecallSource:
             for row in range(batch):
                 if lo <= example_hash(tokens[row]) < hi:
                     # Copies: a view would keep the whole batch of attempts alive.
-                    found = tokens[row].copy(), mask[row].copy()
-                    return (
-                        to_example(*found)
-                        if self.next_token
-                        else {"tokens": found[0], "mask": found[1]}
-                    )
+                    return tokens[row].copy(), mask[row].copy()
         raise RuntimeError(
             "no example of this split found"
         )  # unreachable: each draw lands with p >= 1%
+
+    def _cache_name(self) -> str:
+        """The split's file name in the cache: its parameters and this generator's code."""
+        params = {
+            "split": self.split,
+            "size": self.size,
+            "seed": self.seed,
+            "n_context": list(self.n_context),
+            "n_key": list(self.n_key),
+            "vocab_size": self.vocab_size,
+            **self.shape,
+        }
+        return split_cache.key(f"joint_recall-{self.split}", params, Path(__file__))
+
+    def _draw_all(self) -> dict[str, np.ndarray]:
+        """Every example, drawn on threads (numpy and the hash release the GIL), stored small."""
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            drawn = list(pool.map(self._draw, range(self.size)))
+        dtype = np.uint8 if self.vocab_size <= 256 else np.int32
+        return {
+            "tokens": np.stack([t for t, _ in drawn]).astype(dtype),
+            "mask": np.stack([m for _, m in drawn]).astype(bool),
+        }
 
 
 def example_hash(tokens: np.ndarray) -> int:

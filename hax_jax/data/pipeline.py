@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from hax_jax.config import Config
-from hax_jax.data import joint_recall, mqar, text, tokens
+from hax_jax.data import joint_recall, mqar, split_cache, text, tokens
 from hax_jax.distributed import barrier, is_main
 
 # Few threads and a short buffer: rows are cheap to make and a batch of 64 x 1057 is already 1.4 MB.
@@ -50,6 +50,8 @@ def make_source(cfg: Config, split: str, workdir: str | Path):
             outer_levels=jr.outer_levels,
             vocab_size=vocab_size,
             next_token=True,
+            # valid and test are drawn by rejection: once per machine, not per process
+            cache_dir=None if split == "train" else split_cache.directory(),
         )
     if data.task == "mqar":
         mq = data.mqar

@@ -1,10 +1,14 @@
 """Joint recall: the HAX code's token layout, determinism, disjoint splits, the paper's accuracy."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import grain
 import numpy as np
 import pytest
 
 from hax_jax.data import joint_recall as jr
+from hax_jax.data import split_cache
 
 
 def test_layout_matches_a_hand_written_example():
@@ -159,6 +163,71 @@ def test_an_example_is_its_splits_first_attempt(split):
                 break
         np.testing.assert_array_equal(src[index]["tokens"], tokens[0])
         np.testing.assert_array_equal(src[index]["mask"], mask[0])
+
+
+@pytest.mark.parametrize("split, next_token", [("valid", True), ("test", False)])
+def test_a_cached_split_holds_the_same_examples_and_is_drawn_once(
+    tmp_path, monkeypatch, split, next_token
+):
+    shape = {
+        "seed": 7,
+        "n_context": (2, 4),
+        "n_key": (1, 3),
+        "max_n_key": 3,
+        "next_token": next_token,
+    }
+    drawn = jr.JointRecallSource(split, 6, **shape)
+    cached = jr.JointRecallSource(split, 6, **shape, cache_dir=tmp_path)
+    for index in (5, 0, 3):
+        for name, value in drawn[index].items():
+            assert cached[index][name].dtype == value.dtype
+            np.testing.assert_array_equal(cached[index][name], value)
+    files = sorted(p.name for p in tmp_path.glob("*.npz"))
+    assert len(files) == 1 and files[0].startswith(f"joint_recall-{split}-")
+
+    # Another process's source (a resumed run, eval.py) reads the file and draws nothing.
+    expected = drawn[4]
+
+    def no_draw(self, index):
+        raise AssertionError("drew an example the cache holds")
+
+    monkeypatch.setattr(jr.JointRecallSource, "_draw", no_draw)
+    again = jr.JointRecallSource(split, 6, **shape, cache_dir=tmp_path)[4]
+    for name, value in expected.items():
+        np.testing.assert_array_equal(again[name], value)
+    monkeypatch.undo()
+    # Any other parameter is another split: another file.
+    other = jr.JointRecallSource(split, 6, **{**shape, "seed": 8}, cache_dir=tmp_path)
+    other[0]
+    assert len(list(tmp_path.glob("*.npz"))) == 2
+
+
+def test_the_cache_key_covers_parameters_and_code(tmp_path):
+    code = tmp_path / "generator.py"
+    code.write_text("x = 1\n")
+    first = split_cache.key("split", {"seed": 1, "n": [2, 3]}, code)
+    assert split_cache.key("split", {"n": [2, 3], "seed": 1}, code) == first  # order-free
+    assert split_cache.key("split", {"seed": 2, "n": [2, 3]}, code) != first
+    code.write_text("x = 2\n")
+    assert split_cache.key("split", {"seed": 1, "n": [2, 3]}, code) != first
+
+
+def test_concurrent_processes_build_a_split_once(tmp_path):
+    # Eight builders at once (threads: flock locks per open file, as between processes): one
+    # builds while the others wait on its lock, then all read its file.
+    builds = []
+
+    def build():
+        builds.append(1)
+        time.sleep(0.2)
+        return {"tokens": np.arange(6, dtype=np.uint8).reshape(2, 3)}
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: split_cache.load_or_build("s", build, tmp_path), range(8)))
+    assert len(builds) == 1
+    for arrays in got:
+        np.testing.assert_array_equal(arrays["tokens"], [[0, 1, 2], [3, 4, 5]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.lock", "s.npz"]
 
 
 def assert_uniform(codes, n_cells):
