@@ -8,12 +8,14 @@ runs (a checkpoint at train.num_steps and its test result), resumes the others f
 checkpoints (a larger train.num_steps continues where the last sitting stopped) and evaluates what
 was trained but not yet evaluated. Ctrl-C or SIGTERM makes every running train.py save and stop.
 
-Writes OUT/summary.json (every run: cell, seed, steps, test accuracy, path), OUT/table.md (each
-cell's test accuracy, mean and standard deviation over seeds, beside the config's PAPER_ACCURACY)
-and OUT/curves/<cell>.png (valid accuracy and loss against the step, a line per seed; needs
-matplotlib, the `sweep` extra; --no-plots skips them). A seed is the run's `seed=` (parameters,
-training rng): all seeds of a cell see the same data (data.seed) and the same test split. The config
-file lists its cells in VARIANTS (configs/joint_recall.py: `mamba2,hax`, `samba`, ...).
+Writes OUT/summary.json (every run: cell, seed, steps, tokens seen, test accuracy, its directory),
+OUT/table.md (each cell's test accuracy, mean and standard deviation over seeds, beside the config's
+PAPER_ACCURACY) and OUT/curves/<cell>.png (valid accuracy and loss against the step, a line per
+seed; needs matplotlib, the `sweep` extra; --no-plots skips them). OUT less its checkpoints/ (which
+.gitignore keeps out of results/) is what to commit: eval.py loads each run from its best/. A seed
+is the run's `seed=` (parameters, training rng): all seeds of a cell see the same data (data.seed)
+and the same test split. The config file lists its cells in VARIANTS (configs/joint_recall.py:
+`mamba2,hax`, `samba`, ...).
 """
 
 import argparse
@@ -34,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hax_jax import config as config_lib
+from hax_jax.data.pipeline import row_length
 
 ROOT = Path(__file__).resolve().parents[1]  # train.py and eval.py live beside the package
 EVAL_TASKS = ("joint_recall", "mqar")
@@ -50,6 +53,7 @@ class Run:
     num_steps: int
     task: str  # the eval.py task of its test split
     eval_batch_size: int
+    tokens_per_step: int  # batch rows x row length: the run has seen steps x this tokens
 
     def result_file(self, step: int) -> Path:
         """eval.py's test-split result for the parameters trained to `step`."""
@@ -110,11 +114,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
                 f"the sweep evaluates {' or '.join(EVAL_TASKS)}; cell {cell!r} trains "
                 f"data.task={cfg.data.task!r}"
             )
+        tokens = cfg.data.batch_size * row_length(cfg)
         for seed in seeds:
             path = out / f"{cell}-s{seed}"
-            runs.append(
-                Run(cell, seed, path, cfg.train.num_steps, cfg.data.task, cfg.data.batch_size)
-            )
+            task, batch_size = cfg.data.task, cfg.data.batch_size
+            runs.append(Run(cell, seed, path, cfg.train.num_steps, task, batch_size, tokens))
     return runs, getattr(module, "PAPER_ACCURACY", {})
 
 
@@ -289,7 +293,9 @@ def summarize(runs: list[Run], statuses: dict[Run, str], paper: dict) -> dict:
     entries = {}
     for run in runs:
         step = latest_step(run.path)
-        entry = {"cell": run.cell, "seed": run.seed, "path": str(run.path), "steps": step}
+        # The path relative to summary.json: the directory is committed and moved as a whole.
+        entry = {"cell": run.cell, "seed": run.seed, "path": run.path.name, "steps": step}
+        entry["tokens"] = None if step is None else step * run.tokens_per_step
         entry["status"] = statuses[run]
         if statuses[run] == "done":
             result = json.loads(run.result_file(step).read_text())[run.task]

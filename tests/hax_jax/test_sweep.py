@@ -15,7 +15,7 @@ from hax_jax import sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs/joint_recall.py")
-# Seconds-long runs: joint recall of up to 2 x 2 tables (37 positions), 16 valid and test examples.
+# Seconds-long runs: joint recall of up to 2 x 2 tables (22 positions), 16 valid and test examples.
 TINY = [
     *TINY_JOINT_RECALL,
     "model.mamba2.chunk_size=16",
@@ -23,6 +23,9 @@ TINY = [
     "train.eval_every=2",
     "optim.warmup_steps=1",
 ]
+# TINY_JOINT_RECALL's 8 rows of 21 inputs: 2 parts of 2 contexts x (1 + 2 x 2 key-value tokens),
+# bos, sep, less the last token (it is only a label).
+TOKENS_PER_STEP = 8 * (2 * 2 * (1 + 2 * 2) + 2 - 1)
 
 
 @pytest.fixture
@@ -63,8 +66,9 @@ def test_sweep_trains_tabulates_skips_and_resumes(tmp_path, cpu_runs):
         assert summary["runs"][name] == {
             "cell": "mamba2,none",
             "seed": seed,
-            "path": str(run),
+            "path": run.name,
             "steps": 2,
+            "tokens": 2 * TOKENS_PER_STEP,
             "status": "done",
             "best_step": 2,
             "test_accuracy": results[name]["accuracy"],
