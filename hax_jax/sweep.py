@@ -114,11 +114,10 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
                 f"the sweep evaluates {' or '.join(EVAL_TASKS)}; cell {cell!r} trains "
                 f"data.task={cfg.data.task!r}"
             )
-        tokens = cfg.data.batch_size * row_length(cfg)
+        task, batch_size, steps = cfg.data.task, cfg.data.batch_size, cfg.train.num_steps
+        tokens = batch_size * row_length(cfg)
         for seed in seeds:
-            path = out / f"{cell}-s{seed}"
-            task, batch_size = cfg.data.task, cfg.data.batch_size
-            runs.append(Run(cell, seed, path, cfg.train.num_steps, task, batch_size, tokens))
+            runs.append(Run(cell, seed, out / f"{cell}-s{seed}", steps, task, batch_size, tokens))
     return runs, getattr(module, "PAPER_ACCURACY", {})
 
 
