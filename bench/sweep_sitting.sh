@@ -7,7 +7,9 @@
 # last sitting's runs, carried in) there, runs the sweep with --out runs/sweep for at most SECONDS
 # (then SIGTERM: every train.py saves and stops; the same command resumes), and packs the runs
 # into OUTDIR/sweep.tgz.part-* of 15 MiB each (each run's newest finished checkpoint alone): a device
-# call returns files of at most 16 MiB, and carries in at most 64 MiB.
+# call returns files of at most 16 MiB, and carries in at most 64 MiB. Leave 90 s of the call's limit
+# after SECONDS for the runs to save and the packing: 18 runs on 4 x H200 with SECONDS 545 ran past a
+# 600 s call (the files came back, the printed table did not).
 # Back here: `mkdir -p runs && cp OUTDIR/sweep.tgz.part-* runs/`, carry `runs` in the next call,
 # and `cat runs/sweep.tgz.part-* | tar xzf - -C runs` to read them (eval.py, RESULTS.md). MPS=1 runs
 # the sitting under CUDA's multi-process service (not yet measured against the default).
