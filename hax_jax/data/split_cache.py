@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,10 +39,18 @@ def load_or_build(
     """The arrays stored as `name` in `where` (default: directory()), built and stored first by
     whichever process gets there first."""
     where = where or directory()
-    where.mkdir(parents=True, exist_ok=True)
     path = where / f"{name}.npz"
     if not path.exists():
-        with open(where / f"{name}.lock", "w") as lock:
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            lock = open(where / f"{name}.lock", "w")  # closed by the with below
+        except OSError as err:  # an unwritable cache costs time, not the run
+            print(
+                f"warning: {err}; drawing {name} without keeping it (set HAX_JAX_CACHE)",
+                file=sys.stderr,
+            )
+            return build()
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not path.exists():  # not built while this process waited
                 partial = where / f"{name}.{os.getpid()}.partial.npz"

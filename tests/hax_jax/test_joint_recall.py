@@ -230,6 +230,14 @@ def test_concurrent_processes_build_a_split_once(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.lock", "s.npz"]
 
 
+def test_an_unwritable_cache_draws_the_split_and_says_so(tmp_path, capsys):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    arrays = split_cache.load_or_build("s", lambda: {"x": np.arange(3)}, blocked / "cache")
+    np.testing.assert_array_equal(arrays["x"], [0, 1, 2])
+    assert "drawing s without keeping it (set HAX_JAX_CACHE)" in capsys.readouterr().err
+
+
 def assert_uniform(codes, n_cells):
     """codes (ints in [0, n_cells)) look uniform: Pearson's chi2 within 5 sd of its mean."""
     counts = np.bincount(codes, minlength=n_cells)
