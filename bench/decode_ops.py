@@ -27,7 +27,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import timing
-from bench.decode_throughput import MODELS, ROOT, model_names
+from bench.decode_throughput import MODELS, ROOT
 from bench.hlo_liveness import ALIASES, INSTRUCTION
 from hax_jax.config import load_config_file
 from hax_jax.models.lm import LanguageModel
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--hlo-dir", type=Path, help="also write each decode program's HLO here")
     args = parser.parse_args()
-    names = model_names(args.models)
+    names = timing.known_names(parser, "--models", args.models.split(","), MODELS)
     timing.check_sizes(parser, args)
     if args.hlo_dir:
         timing.make_dir(parser, "--hlo-dir", args.hlo_dir)

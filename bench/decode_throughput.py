@@ -115,16 +115,6 @@ def rates(impl, name, batch, prompt, new, prefill, whole) -> dict:
     }
 
 
-def model_names(text: str) -> list[str]:
-    """A command line's --models "a,b" -> ["a", "b"]; SystemExit with one error line naming any
-    not in MODELS."""
-    names = text.split(",")
-    unknown = sorted(set(names) - set(MODELS))
-    if unknown:
-        sys.exit(f"error: unknown --models {','.join(unknown)}; known: {','.join(MODELS)}")
-    return names
-
-
 def main() -> None:
     """Runs every (model, batch) and prints one JSON line each; --write saves them all."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,7 +126,7 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--write", default="")
     args = parser.parse_args()
-    names = model_names(args.models)
+    names = timing.known_names(parser, "--models", args.models.split(","), MODELS)
     timing.check_sizes(parser, args)
     batches = timing.ascending_ints(args.batches, "--batches")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))

@@ -75,8 +75,8 @@ def main() -> None:
     lengths = timing.ascending_ints(args.lengths, "--lengths")
     from bench.train_throughput import CASES  # jax and the library: only once the flags parse
 
-    if args.case not in CASES:  # else every attempt would fail and read as "did not fit"
-        sys.exit(f"error: unknown --case {args.case}; known: {','.join(CASES)}")
+    # else every attempt would fail and read as "did not fit"
+    timing.known_names(parser, "--case", [args.case], CASES)
     print(
         f"\n{args.case} {' '.join(args.set)}\n\n| {args.key} | step ms | tokens/s | peak GiB "
         "per device |\n| ---: | ---: | ---: | --- |",

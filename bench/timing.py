@@ -308,6 +308,14 @@ def check_sizes(parser, args, *, zero_ok=()) -> None:
                 parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
 
 
+def known_names(parser, flag: str, names: list[str], known) -> list[str]:
+    """`names`, given by `flag`; parser.error naming those not in `known` (and listing it)."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown {flag} {','.join(unknown)}; known: {','.join(known)}")
+    return names
+
+
 def make_dir(parser, flag: str, path) -> None:
     """Creates the directory a flag names before compiling; parser.error naming it if it cannot."""
     try:

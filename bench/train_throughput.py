@@ -255,9 +255,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     timing.check_sizes(parser, args, zero_ok=("warmup", "profile"))
-    unknown = sorted(set(args.cases.split(",")) - set(CASES))
-    if unknown:
-        parser.error(f"unknown --cases {','.join(unknown)}; known: {','.join(CASES)}")
+    cases = timing.known_names(parser, "--cases", args.cases.split(","), CASES)
     if args.hlo_dir:  # before any compile, not after the first case's
         timing.make_dir(parser, "--hlo-dir", args.hlo_dir)
     device = jax.devices()[0]
@@ -270,7 +268,7 @@ def main() -> None:
     )
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for name in args.cases.split(","):
+        for name in cases:
             r = measure(
                 name,
                 args.steps,
