@@ -4,8 +4,9 @@ Every (cell, seed) is one train.py run in OUT/<cell>-s<seed> (a workdir eval.py 
 on the test split of its task (joint_recall or mqar) with its best-by-validation parameters. --jobs
 runs go at once, as subprocesses: each pinned to one GPU (CUDA_VISIBLE_DEVICES) when there are GPUs,
 with an equal share of its memory when runs share one. Rerunning the same command skips finished
-runs (a checkpoint at train.num_steps and its test result), resumes the others from their
-checkpoints (a larger train.num_steps continues where the last sitting stopped) and evaluates what
+runs (a test result at train.num_steps: with its checkpoint, or without, as committed), resumes
+the others from their checkpoints (a larger train.num_steps continues where the last sitting
+stopped; a run with a test result but no checkpoint is reported, not retrained) and evaluates what
 was trained but not yet evaluated. Ctrl-C or SIGTERM makes every running train.py save and stop.
 
 Writes OUT/summary.json (every run: cell, seed, steps, tokens seen, test accuracy, its directory),
@@ -179,6 +180,17 @@ def latest_step(workdir: Path) -> int | None:
     return _newest_step(workdir / "checkpoints")
 
 
+def trained_step(run: Run) -> int | None:
+    """The step the run is trained to: its newest finished checkpoint, else the newest step with a
+    test result (a committed run: results/ keeps best/ and the results, not the checkpoints)."""
+    step = latest_step(run.path)
+    if step is not None:
+        return step
+    prefix = "eval_test_step"
+    tested = (p.stem.removeprefix(prefix) for p in run.path.glob(f"{prefix}*.json"))
+    return max((int(s) for s in tested if s.isdigit() and _evaluated(run, int(s))), default=None)
+
+
 def _newest_step(directory: Path) -> int | None:
     """The largest all-digit entry of `directory` (not an unfinished orbax step), or None."""
     return max((int(p.name) for p in directory.glob("*") if p.name.isdigit()), default=None)
@@ -220,6 +232,11 @@ class Runner:
     def execute(self, run: Run, env: dict[str, str]) -> str:
         """Trains the run to num_steps (resuming) unless trained, evaluates it unless evaluated."""
         step = latest_step(run.path)
+        if step is None and (tested := trained_step(run)) is not None:
+            if tested >= run.num_steps:
+                return "done"
+            # Training from step 0 would overwrite its best/ and metrics: refused, not restarted.
+            return f"tested at step {tested}, no checkpoint to continue from ({run.path})"
         if step is None or step < run.num_steps:
             start = step or 0
             train = [sys.executable, str(ROOT / "train.py"), f"{self.config}:{run.cell}"]
@@ -291,7 +308,7 @@ def summarize(runs: list[Run], statuses: dict[Run, str], paper: dict) -> dict:
     """summary.json: every run's test result (read from its eval.py output) and each cell's mean."""
     entries = {}
     for run in runs:
-        step = latest_step(run.path)
+        step = trained_step(run)
         # The path relative to summary.json: the directory is committed and moved as a whole.
         entry = {"cell": run.cell, "seed": run.seed, "path": run.path.name, "steps": step}
         entry["tokens"] = None if step is None else step * run.tokens_per_step

@@ -3,6 +3,7 @@ a rerun skips finished runs and resumes unfinished ones; bad input is refused be
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,6 +126,19 @@ def test_sweep_trains_tabulates_skips_and_resumes(tmp_path, cpu_runs):
         )
         result = _test_result(run, 4)
         assert summary["runs"]["mamba2,none-s0"]["test_accuracy"] == result["accuracy"]
+
+    # A run as committed to results/ (no checkpoints/): tabulated from its test result with nothing
+    # started; more steps are refused (train.py from step 0 would overwrite best/), not retrained.
+    shutil.rmtree(run / "checkpoints")
+    logs = _logs(out)
+    summary = sweep.main([*argv, "--seeds", "0", "train.num_steps=4", "--no-plots"])
+    assert _logs(out) == logs
+    entry = summary["runs"]["mamba2,none-s0"]
+    assert (entry["status"], entry["steps"], entry["best_step"]) == ("done", 4, 4)
+    assert entry["test_accuracy"] == result["accuracy"]
+    with pytest.raises(RuntimeError, match="tested at step 4, no checkpoint to continue from"):
+        sweep.main([*argv, "--seeds", "0", "train.num_steps=6", "--no-plots"])
+    assert _logs(out) == logs
 
 
 def test_cells_are_names_or_patterns_in_the_config_order(tmp_path):
