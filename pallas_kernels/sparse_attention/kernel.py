@@ -62,6 +62,12 @@ def _probs(s, mask, lse):
     return jnp.where(mask, jnp.exp(jnp.where(mask, s - lse, 0.0)), 0.0)
 
 
+def _ds(p, dp, delta, dtype):
+    """dS = P (dO.v - delta), rounded to the inputs' dtype for the dq / dk dots (FlashAttention-2's
+    rule): bf16 inputs then use the tensor cores; fp32 inputs keep fp32 at full precision."""
+    return (p * (dp - delta)).astype(dtype)
+
+
 def _lsh_mask(lo, hi, first_slot, size):
     """Sorted key slots first_slot + (0..size) inside each query's [lo, hi) (columns (r, 1))."""
     slot = first_slot + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
@@ -178,9 +184,9 @@ def lsh_pair_kernel(
             return dp + _dot(do_c, v_c, trans_b=True)
 
         dp = _over_columns(e, block_e, dot_values, jnp.zeros(p.shape, F32), bool(scratch))
-        ds = p * (dp - delta)
-        dq_ref[...] = _dot(ds, k_t.astype(F32))
-        dk_ref[...] = _dot(ds, q.astype(F32), trans_a=True)
+        ds = _ds(p, dp, delta, q.dtype)
+        dq_ref[...] = _dot(ds, k_t)
+        dk_ref[...] = _dot(ds, q, trans_a=True)
 
     @pl.when(pair >= count_ref[b])
     def _():
@@ -312,11 +318,10 @@ def ks_bwd_kernel(
 
     init = (jnp.zeros(p_pre.shape, F32), jnp.zeros(p_own.shape, F32))
     dp_pre, dp_own = _over_columns(e, block_e, dot_values, init, unrolled)
-    ds_pre, ds_own = p_pre * (dp_pre - delta), p_own * (dp_own - delta)
-    q32 = q.astype(F32)
-    dq_ref[...] = _dot(ds_pre, pre_k.astype(F32)) + _dot(ds_own, k.astype(F32))
-    dk_ref[...] = _dot(ds_own, q32, trans_a=True)
-    dk_pre_ref[...] = _dot(ds_pre, q32, trans_a=True)
+    ds_pre, ds_own = _ds(p_pre, dp_pre, delta, q.dtype), _ds(p_own, dp_own, delta, q.dtype)
+    dq_ref[...] = _dot(ds_pre, pre_k) + _dot(ds_own, k)
+    dk_ref[...] = _dot(ds_own, q, trans_a=True)
+    dk_pre_ref[...] = _dot(ds_pre, q, trans_a=True)
 
     def store_dv(cols, carry):
         """dv of the own and prefix keys over one column chunk."""

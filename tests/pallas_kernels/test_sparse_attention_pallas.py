@@ -19,7 +19,8 @@ from pallas_kernels.sparse_attention.tiling import BlockSizes, lsh_layout, tile_
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # Forward and gradient tolerances per input dtype. bf16: outputs and gradients are rounded to
-# bf16 once, and the kernels' P.V / P^T.dO products take P in bf16 (flash attention's rule).
+# bf16 once, and the kernels' P.V / P^T.dO products take P in bf16, their dS.k / dS^T.q products
+# dS in bf16 (flash attention's rule).
 TOL = {F32: dict(atol=1e-5, rtol=1e-5), BF16: dict(atol=1e-2, rtol=1e-2)}
 GRAD_TOL = {F32: dict(atol=1e-5, rtol=1e-4), BF16: dict(atol=2e-2, rtol=2e-2)}
 DIFF_ARGS = ("q", "k", "v", "hash_proj", "key_scores")
