@@ -13,6 +13,10 @@
 # Back here: `mkdir -p runs && cp OUTDIR/sweep.tgz.part-* runs/`, carry `runs` in the next call,
 # and `cat runs/sweep.tgz.part-* | tar xzf - -C runs` to read them (eval.py, RESULTS.md). MPS=1 runs
 # the sitting under CUDA's multi-process service (not yet measured against the default).
+# Evaluation splits drawn beforehand (here: `HAX_JAX_CACHE=runs/split_cache python -m hax_jax.sweep
+# CONFIG [the same --cells and overrides] --draw-splits`, then `tar czf runs/split_cache.tgz -C runs
+# split_cache`) are unpacked and read, so no run draws them on the GPU machine (the grid's two
+# splits took this project's 2-core CPU about 3 minutes each; GPUs sat idle 2-3 minutes a sitting).
 set -uo pipefail
 seconds=${1:?seconds}
 out=${2:?output directory}
@@ -33,6 +37,10 @@ if [[ ${MPS:-0} == 1 ]]; then
         exit 1
     fi
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
+if [[ -f runs/split_cache.tgz ]]; then
+    tar xzf runs/split_cache.tgz -C runs || exit 1
+    export HAX_JAX_CACHE=$PWD/runs/split_cache
 fi
 if compgen -G "runs/sweep.tgz.part-*" >/dev/null; then
     cat runs/sweep.tgz.part-* | tar xzf - -C runs || exit 1

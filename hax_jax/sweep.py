@@ -16,7 +16,8 @@ seed; needs matplotlib, the `sweep` extra; --no-plots skips them). OUT less its 
 .gitignore keeps out of results/) is what to commit: eval.py loads each run from its best/. A seed
 is the run's `seed=` (parameters, training rng): all seeds of a cell see the same data (data.seed)
 and the same test split. The config file lists its cells in VARIANTS (configs/joint_recall.py:
-`mamba2,hax`, `samba`, ...).
+`mamba2,hax`, `samba`, ...). --draw-splits only draws the cells' evaluation splits into
+$HAX_JAX_CACHE (hax_jax.data.split_cache), to carry to a machine whose runs should not draw them.
 """
 
 import argparse
@@ -37,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hax_jax import config as config_lib
+from hax_jax.data import pipeline, split_cache
 from hax_jax.data.pipeline import row_length
 
 ROOT = Path(__file__).resolve().parents[1]  # train.py and eval.py live beside the package
@@ -82,6 +84,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="", help="output directory (default results/<config>)")
     parser.add_argument("--no-plots", action="store_true", help="skip the learning-curve PNGs")
+    parser.add_argument(
+        "--draw-splits",
+        action="store_true",
+        help="only draw the cells' valid and test splits into $HAX_JAX_CACHE (the ones a task "
+        "keeps there: joint recall's) and exit; copied to a GPU machine, its runs need not wait",
+    )
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if "=" not in o]
     if unknown:
@@ -393,10 +401,29 @@ def plot_curves(runs: list[Run], directory: Path) -> list[Path]:
 # ----------------------------------------------------------------------------- entry points
 
 
+def draw_splits(args: argparse.Namespace, runs: list[Run]) -> list[str]:
+    """Each planned cell's valid and test splits, drawn into split_cache.directory() where its
+    task keeps them (cells that share a split draw it once); the names of the splits drawn."""
+    module = config_lib.load_config_module(args.config)
+    drawn = []
+    for cell in dict.fromkeys(run.cell for run in runs):
+        cfg = config_lib.apply_overrides(module.get_config(cell), args.overrides)
+        for split in ("valid", "test"):
+            source = pipeline.make_source(cfg, split, runs[0].path.parent)
+            if getattr(source, "cache_dir", None) is not None:
+                source[0]  # the first access draws (or reads) the whole split
+                drawn.append(f"{cell} {split}")
+    names = ", ".join(drawn) or "none"
+    print(f"in {split_cache.directory()} (a file per distinct split): {names}")
+    return drawn
+
+
 def main(argv: list[str]) -> dict:
     """Plans, runs (skipping finished runs), writes summary.json, table.md and the curves."""
     args = parse_args(argv)
     runs, paper = plan(args)
+    if args.draw_splits:
+        return {"splits": draw_splits(args, runs)}
     if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
         raise ValueError(
             "the learning-curve plots need matplotlib: pip install 'hax-jax[sweep]' "

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tiny_runs import TINY_JOINT_RECALL, subprocess_xla_flags
 
+from hax_jax import config as config_lib
 from hax_jax import sweep
+from hax_jax.data import pipeline, split_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs/joint_recall.py")
@@ -139,6 +142,28 @@ def test_sweep_trains_tabulates_skips_and_resumes(tmp_path, cpu_runs):
     with pytest.raises(RuntimeError, match="tested at step 4, no checkpoint to continue from"):
         sweep.main([*argv, "--seeds", "0", "train.num_steps=6", "--no-plots"])
     assert _logs(out) == logs
+
+
+def test_draw_splits_fills_the_cache_and_starts_no_run(tmp_path, monkeypatch):
+    """--draw-splits: the cells' valid and test splits land in $HAX_JAX_CACHE, one file per split
+    the cells share; nothing is trained or written beside the runs."""
+    cache, out = tmp_path / "cache", tmp_path / "runs"
+    monkeypatch.setenv("HAX_JAX_CACHE", str(cache))
+    argv = [CONFIG, "--cells", "mamba2,hax mamba,none", "--out", str(out), *TINY]
+    assert sweep.main([*argv, "--draw-splits"]) == {
+        "splits": ["mamba,none valid", "mamba,none test", "mamba2,hax valid", "mamba2,hax test"]
+    }
+    files = sorted(cache.glob("*.npz"))
+    assert [f.name.split("-")[1] for f in files] == ["test", "valid"]
+    for file in files:
+        assert np.load(file)["tokens"].shape[0] == 16  # TINY's valid_size, test's too
+    assert not out.exists()
+    # What a run reads is what it would have drawn: the valid split's first example, uncached.
+    cfg = config_lib.apply_overrides(config_lib.load_config_file(f"{CONFIG}:mamba2,hax"), TINY)
+    cached = pipeline.make_source(cfg, "valid", out)[0]
+    monkeypatch.setattr(split_cache, "directory", lambda: None)
+    drawn = pipeline.make_source(cfg, "valid", out)[0]
+    assert all(np.array_equal(cached[k], drawn[k]) for k in drawn)
 
 
 def test_cells_are_names_or_patterns_in_the_config_order(tmp_path):
