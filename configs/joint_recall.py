@@ -6,7 +6,9 @@ names); `<base>,double` (no branch, doubled width, for a fair parameter count); 
 follow the HAX code's configs (d_model 64, 2 layers; Mamba d_state 16, Mamba-2 d_state 32 with 8
 heads of 16). Samba uses d_model 64 and window 64 as the paper states (the code's samba.json says
 hidden_size 32). PAPER_ACCURACY holds the paper's Table 1 for `python -m hax_jax.sweep
-configs/joint_recall.py`.
+configs/joint_recall.py`. Initialisation and optimizer follow mamba_ssm and the paper; the HAX
+code's own start and the effect of its AdamW on bf16 parameters (RESULTS.md) are the overrides
+`model.init=hax_code optim.frozen=(A_log,dt_bias) optim.clip_norm=0` (Mamba and Mamba-2 cells).
 """
 
 import dataclasses

@@ -189,6 +189,9 @@ class OptimConfig:
         0.01  # torch AdamW's default (the HAX trainer); never on A_log/D/dt_bias/norms/biases/E
     )
     clip_norm: float = 1.0  # global gradient-norm clip; 0 = off
+    # Parameters never updated, by name (e.g. (A_log,dt_bias)): where the HAX code's AdamW on bf16
+    # parameters leaves them (a step below half a bf16 spacing rounds back).
+    frozen: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

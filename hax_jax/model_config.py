@@ -170,6 +170,10 @@ class ModelConfig:
     residual_in_fp32: bool = True  # keep the residual stream in fp32 whatever the compute dtype
     norm_eps: float = 1e-5  # RMSNorm epsilon (block norms, final norm, Mamba-2 gated norm)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype; params are fp32
+    # Initial parameters: "mamba_ssm" (the official models') or "hax_code", as the HAX code's
+    # joint-recall models start (flash-linear-attention's init at its configs' std 0.1; mamba and
+    # mamba2 layers only): layers/init.py's hax_code_init says which parameters it re-draws.
+    init: Literal["mamba_ssm", "hax_code"] = "mamba_ssm"
     # The backward's memory: "block" keeps each residual block's input only and recomputes the
     # rest of the block; "none" keeps what autodiff saves; "auto" = "block" for rows of at least
     # REMAT_MIN_LEN tokens.
@@ -199,6 +203,12 @@ class ModelConfig:
                 raise ValueError(
                     f"unknown mixer kind {kind!r} in model.block_pattern; known: {MIXER_KINDS}"
                 )
+        others = sorted(set(self.block_pattern) - {"mamba", "mamba2"})
+        if self.init == "hax_code" and others:
+            raise ValueError(
+                f"model.init='hax_code' covers mamba and mamba2 layers only; "
+                f"model.block_pattern has {others}"
+            )
         if self.n_layer % len(self.block_pattern):
             raise ValueError(
                 f"model.n_layer={self.n_layer} must be a multiple of "

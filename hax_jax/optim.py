@@ -34,8 +34,31 @@ def decay_mask(params) -> dict:
     )
 
 
+def frozen_mask(names: tuple[str, ...]):
+    """The mask of the parameters named `names` (by leaf name); a name no parameter has is an
+    error, raised when the optimizer is initialised (before any step)."""
+
+    def mask(params) -> dict:
+        marked = jax.tree_util.tree_map_with_path(
+            lambda path, _: getattr(path[-1], "key", None) in names, params
+        )
+        found = {getattr(p[-1], "key", None) for p, hit in _leaves(marked) if hit}
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise ValueError(f"optim.frozen names {missing}, which no parameter is called")
+        return marked
+
+    return mask
+
+
+def _leaves(tree):
+    """(path, leaf) pairs of a pytree."""
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
 def make_optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransformation:
-    """Clip by global norm (when clip_norm > 0), then AdamW on the schedule with the decay mask."""
+    """Clip by global norm (when clip_norm > 0), then AdamW on the schedule with the decay mask,
+    then no update at all for the parameters cfg.frozen names."""
     adamw = optax.adamw(
         learning_rate(cfg, num_steps),
         b1=cfg.b1,
@@ -44,9 +67,12 @@ def make_optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransforma
         weight_decay=cfg.weight_decay,
         mask=decay_mask,
     )
-    if cfg.clip_norm <= 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    chain = [adamw]
+    if cfg.clip_norm > 0:
+        chain.insert(0, optax.clip_by_global_norm(cfg.clip_norm))
+    if cfg.frozen:  # only then: the optimizer state (and checkpoints) of other runs is unchanged
+        chain.append(optax.masked(optax.set_to_zero(), frozen_mask(cfg.frozen)))
+    return chain[0] if len(chain) == 1 else optax.chain(*chain)
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, opt_state_shape, param_shardings, other):

@@ -4,6 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hax_jax.sharding import linear_axes
@@ -56,3 +57,53 @@ def linear(
         **linear_axes(*axes),
         **kwargs,
     )
+
+
+HAX_CODE_STD = 0.1  # initializer_range of the HAX code's Mamba and Mamba-2 configs (configs/*.json)
+
+
+def hax_code_init(model: nnx.Module, mixer_kinds: tuple[str, ...], key: jax.Array) -> None:
+    """Re-draws `model`'s parameters as the HAX code's joint-recall models start (its models are
+    flash-linear-attention's, whose _init_weights runs with initializer_range 0.1):
+    - the embedding (the head too, when separate) and every linear kernel: normal, std 0.1; their
+      biases 0 (the sparse branch's layers included);
+    - mamba2 layers: the conv's kernel normal (std 0.1) and bias 0; A = 1..n_heads, one per head;
+      out_proj kept (its config's rescale_prenorm_residual re-draws it there as mamba_ssm does);
+    - mamba layers: the conv and dt_proj kept (PyTorch's default and the dt init there too), and
+      out_proj normal (its config does not rescale);
+    - dt_bias, D, the norms and the branch's gate E kept (drawn there as here)."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    new = [
+        _hax_code_value(_names(path), value, k, mixer_kinds)
+        for (path, value), k in zip(leaves, keys)
+    ]
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, new))
+
+
+def _names(path) -> tuple[str, ...]:
+    """A tree path as its keys' names, without the Variable's own `value` attribute."""
+    names = (str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
+    return tuple(n for n in names if n not in ("value", ".value"))
+
+
+def _hax_code_value(names, value, key, mixer_kinds):
+    """One parameter's HAX-code initial value (see hax_code_init), or `value` where it is kept."""
+    normal = lambda: HAX_CODE_STD * jax.random.normal(key, value.shape, value.dtype)  # noqa: E731
+    if names[0] in ("embedding", "lm_head"):
+        return normal()
+    if names[0] != "layers" or names[2] != "mixer":
+        return value  # the blocks' norms and the final norm
+    kind, (module, *rest) = mixer_kinds[int(names[1])], names[3:]
+    if kind == "mamba2" and module == "A_log":
+        # numpy's log: the same bits on every backend and inside or outside jit
+        return jnp.asarray(np.log(np.arange(1, value.shape[0] + 1, dtype=np.float32)), value.dtype)
+    kept = {"mamba2": ("out_proj",), "mamba": ("conv1d", "dt_proj")}[kind]
+    if module in kept:
+        return value
+    if "kernel" in rest:
+        return normal()
+    if "bias" in rest:
+        return jnp.zeros_like(value)
+    return value

@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.layers.init import hax_code_init
 from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 from hax_jax.parallel import CARRIED
@@ -69,6 +70,8 @@ class LanguageModel(nnx.Module):
                 **linear_axes("embed", "vocab"),
             )
         )
+        if cfg.init == "hax_code":
+            hax_code_init(self, cfg.mixer_kinds, rngs.params())
 
     def __call__(self, tokens: jax.Array, *, seq_idx=None, mask=None, rng=None) -> jax.Array:
         """tokens (b, l) int -> logits (b, l, padded_vocab_size) fp32.
