@@ -42,18 +42,14 @@ def frozen_mask(names: tuple[str, ...]):
         marked = jax.tree_util.tree_map_with_path(
             lambda path, _: getattr(path[-1], "key", None) in names, params
         )
-        found = {getattr(p[-1], "key", None) for p, hit in _leaves(marked) if hit}
+        leaves = jax.tree_util.tree_flatten_with_path(marked)[0]
+        found = {getattr(path[-1], "key", None) for path, hit in leaves if hit}
         missing = [n for n in names if n not in found]
         if missing:
             raise ValueError(f"optim.frozen names {missing}, which no parameter is called")
         return marked
 
     return mask
-
-
-def _leaves(tree):
-    """(path, leaf) pairs of a pytree."""
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def make_optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransformation:
