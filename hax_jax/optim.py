@@ -27,11 +27,16 @@ def learning_rate(cfg: OptimConfig, num_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.constant_schedule(0.0), schedule], [cfg.hold_steps])
 
 
+def named(params, names) -> dict:
+    """True for the parameters whose leaf name is one of `names`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in names, params
+    )
+
+
 def decay_mask(params) -> dict:
     """True for the parameters weight decay applies to (by leaf name)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) in DECAYED_NAMES, params
-    )
+    return named(params, DECAYED_NAMES)
 
 
 def frozen_mask(names: tuple[str, ...]):
@@ -39,9 +44,7 @@ def frozen_mask(names: tuple[str, ...]):
     error, raised when the optimizer is initialised (before any step)."""
 
     def mask(params) -> dict:
-        marked = jax.tree_util.tree_map_with_path(
-            lambda path, _: getattr(path[-1], "key", None) in names, params
-        )
+        marked = named(params, names)
         leaves = jax.tree_util.tree_flatten_with_path(marked)[0]
         found = {getattr(path[-1], "key", None) for path, hit in leaves if hit}
         missing = [n for n in names if n not in found]

@@ -188,15 +188,18 @@ def latest_step(workdir: Path) -> int | None:
     return _newest_step(workdir / "checkpoints")
 
 
-def trained_step(run: Run) -> int | None:
-    """The step the run is trained to: its newest finished checkpoint, else the newest step with a
-    test result (a committed run: results/ keeps best/ and the results, not the checkpoints)."""
-    step = latest_step(run.path)
-    if step is not None:
-        return step
+def tested_step(run: Run) -> int | None:
+    """The newest step with a test result of the run's task, or None."""
     prefix = "eval_test_step"
     tested = (p.stem.removeprefix(prefix) for p in run.path.glob(f"{prefix}*.json"))
     return max((int(s) for s in tested if s.isdigit() and _evaluated(run, int(s))), default=None)
+
+
+def trained_step(run: Run) -> int | None:
+    """The step the run is trained to: its newest finished checkpoint, else its newest tested step
+    (a committed run: results/ keeps best/ and the results, not the checkpoints)."""
+    step = latest_step(run.path)
+    return tested_step(run) if step is None else step
 
 
 def _newest_step(directory: Path) -> int | None:
@@ -240,7 +243,7 @@ class Runner:
     def execute(self, run: Run, env: dict[str, str]) -> str:
         """Trains the run to num_steps (resuming) unless trained, evaluates it unless evaluated."""
         step = latest_step(run.path)
-        if step is None and (tested := trained_step(run)) is not None:
+        if step is None and (tested := tested_step(run)) is not None:
             if tested >= run.num_steps:
                 return "done"
             # Training from step 0 would overwrite its best/ and metrics: refused, not restarted.
