@@ -361,12 +361,53 @@ class JointRecallSource:
         if self.cache_dir is None:
             tokens, mask = self._draw(index)
         else:
-            if self.stored is None:
-                name = self._cache_name()
-                self.stored = split_cache.load_or_build(name, self._draw_all, self.cache_dir)
-            tokens = self.stored["tokens"][index].astype(np.int32)
-            mask = self.stored["mask"][index].astype(np.int32)
+            tokens, mask = self._stored(index)
         return to_example(tokens, mask) if self.next_token else {"tokens": tokens, "mask": mask}
+
+    def rows(self, indices) -> dict[str, np.ndarray]:
+        """Examples `indices` stacked ((n, L) int32 each), as np.stack of __getitem__'s, in one
+        vectorised draw: every index's next attempt at once, until each has one of its split."""
+        indices = np.asarray(indices, np.int64)
+        if indices.size and not (0 <= indices.min() and indices.max() < self.size):
+            raise IndexError(f"indices out of range for a {self.split} split of {self.size}")
+        if self.cache_dir is None:
+            tokens, mask = self._draw_rows(indices)
+        else:
+            tokens, mask = self._stored(indices)
+        if not self.next_token:
+            return {"tokens": tokens, "mask": mask}
+        return to_example(tokens, mask)
+
+    def _draw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`_draw` of every index at once: attempt 0 of all, then attempt 1 of those it missed..."""
+        lo, hi = SPLITS[self.split]
+        length = padded_length(
+            self.shape["max_n_context"], self.shape["max_n_key"], self.shape["outer_levels"]
+        )
+        tokens = np.empty((len(indices), length), np.int32)
+        mask = np.empty((len(indices), length), np.int32)
+        todo = np.arange(len(indices))
+        for attempt in range(1_000_000):  # about 2% of train attempts hash outside the split
+            if not todo.size:
+                return tokens, mask
+            seeds = [[self.seed, lo, int(indices[i]), attempt] for i in todo]
+            drawn, drawn_mask = sample_batch(
+                seeds, n_context=self.n_context, n_key=self.n_key, **self.shape
+            )
+            hit = np.array([lo <= example_hash(row) < hi for row in drawn], bool)
+            tokens[todo[hit]], mask[todo[hit]] = drawn[hit], drawn_mask[hit]
+            todo = todo[~hit]
+        raise RuntimeError("no example of this split found")  # unreachable: p >= 1% a draw
+
+    def _stored(self, index) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, mask) int32 of example(s) `index` from the split cache (drawn at first use)."""
+        if self.stored is None:
+            name = self._cache_name()
+            self.stored = split_cache.load_or_build(name, self._draw_all, self.cache_dir)
+        return (
+            self.stored["tokens"][index].astype(np.int32),
+            self.stored["mask"][index].astype(np.int32),
+        )
 
     def _draw(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Example `index`'s (tokens, mask): its first attempt hashed into the split's range."""
@@ -417,12 +458,13 @@ def example_hash(tokens: np.ndarray) -> int:
 
 
 def to_example(tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-    """The training schema of a raw (tokens, mask) example, shifted as the HAX trainer does."""
-    inputs = np.asarray(tokens[:-1], np.int32)
+    """The training schema of a raw (tokens, mask) example (L,), or of a batch of them (n, L),
+    shifted as the HAX trainer does."""
+    inputs = np.asarray(tokens[..., :-1], np.int32)
     return {
         "inputs": inputs,
-        "labels": np.asarray(tokens[1:], np.int32),
-        "loss_mask": np.asarray(mask[:-1], np.int32),
+        "labels": np.asarray(tokens[..., 1:], np.int32),
+        "loss_mask": np.asarray(mask[..., :-1], np.int32),
         "real": (inputs != PAD).astype(np.int32),
         "seq_idx": np.zeros_like(inputs),  # one sequence per row
     }

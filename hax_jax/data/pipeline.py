@@ -20,7 +20,8 @@ from hax_jax.config import Config
 from hax_jax.data import joint_recall, mqar, split_cache, text, tokens
 from hax_jax.distributed import barrier, is_main
 
-# Few threads and a short buffer: rows are cheap to make and a batch of 64 x 1057 is already 1.4 MB.
+# Few threads and a short buffer: a thread makes a whole batch (64 x 1057 joint-recall rows in one
+# vectorised draw), and such a batch is already 1.4 MB.
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
 
 
@@ -143,24 +144,45 @@ def train_dataset(
 ) -> grain.IterDataset:
     """Endless training batches of this process, a checkpointable grain IterDataset.
 
-    source -> shuffle (not mqar: its curriculum order is the schedule) -> repeat: the global batch
-    b is rows [b B, (b + 1) B) of that stream (B = data.batch_size), and this process reads its
-    `rows` [start, stop) of every global batch (sharding.process_rows; default_rows without a
-    mesh). Processes holding the same rows read the same ones. Iterator state = rows consumed, so
-    `get_state`/`set_state` (or grain.checkpoint.CheckpointSave/Restore) resume at the next batch.
+    The source's indices -> shuffle (not mqar: its curriculum order is the schedule) -> repeat:
+    the global batch b is rows [b B, (b + 1) B) of that stream (B = data.batch_size), and this
+    process reads its `rows` [start, stop) of every global batch (sharding.process_rows;
+    default_rows without a mesh), a batch of indices at a time (`rows_reader`). Processes holding
+    the same rows read the same ones. Iterator state = batches consumed, so `get_state` /
+    `set_state` (or grain.checkpoint.CheckpointSave/Restore) resume at the next batch.
     """
     batch_size = cfg.data.batch_size
     start, stop = rows or default_rows(batch_size)
-    ds = grain.MapDataset.source(make_source(cfg, "train", workdir))
+    source = make_source(cfg, "train", workdir)
+    order = grain.MapDataset.range(len(source))  # the source's indices, in the order read
     if cfg.data.task != "mqar":
-        ds = ds.shuffle(seed=cfg.data.seed)  # a fresh permutation every epoch
-    stream = ds.repeat(None)
+        order = order.shuffle(seed=cfg.data.seed)  # a fresh permutation every epoch
+    stream = order.repeat(None)
     count = stop - start
     # Row k of this process: row start + k % count of global batch k // count.
     mine = grain.MapDataset.range(len(stream) // batch_size * count).map(
         lambda k: stream[k // count * batch_size + start + k % count]
     )
-    return mine.batch(count, drop_remainder=True).to_iter_dataset(READ_OPTIONS)
+    return (
+        mine.batch(count, drop_remainder=True)
+        .map(rows_reader(source))
+        .to_iter_dataset(READ_OPTIONS)
+    )
+
+
+def rows_reader(source):
+    """indices -> the source's examples at them, stacked: the source's own vectorised `rows`
+    where it has one (joint recall: one draw for a batch), else one example at a time."""
+    if hasattr(source, "rows"):
+        return source.rows
+
+    def read(indices) -> dict[str, np.ndarray]:
+        examples = [source[int(i)] for i in indices]
+        if not examples:  # a process's share of the last evaluation batch can be empty
+            return {k: np.zeros((0, *v.shape), v.dtype) for k, v in source[0].items()}
+        return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+    return read
 
 
 def eval_batches(
@@ -183,16 +205,17 @@ def eval_batches(
     n_batches = math.ceil(len(source) / batch_size)
     if max_batches > 0:
         n_batches = min(n_batches, max_batches)
-    blank = {k: np.zeros_like(v) for k, v in source[0].items()}
+    read = rows_reader(source)
 
     def make_batch(b: int) -> dict[str, np.ndarray]:
-        """Global batch b's rows of this process, padded to `count`."""
-        start = b * batch_size + first
-        examples = [source[i] for i in range(start, min(start + count, len(source)))]
+        """Global batch b's rows of this process, padded to `count` with all-zero rows."""
+        start = min(b * batch_size + first, len(source))
+        real = read(np.arange(start, min(start + count, len(source))))
+        n = len(real["inputs"])
         weight = np.zeros(count, np.int32)
-        weight[: len(examples)] = 1
-        examples += [blank] * (count - len(examples))
-        batch = {k: np.stack([e[k] for e in examples]) for k in blank}
+        weight[:n] = 1
+        pad = {k: np.zeros((count - n, *v.shape[1:]), v.dtype) for k, v in real.items()}
+        batch = {k: np.concatenate([v, pad[k]]) for k, v in real.items()}
         return {**batch, "weight": weight}
 
     yield from grain.MapDataset.range(n_batches).map(make_batch).to_iter_dataset(READ_OPTIONS)

@@ -189,3 +189,17 @@ def test_token_and_text_tasks(tmp_path):
         )
     with pytest.raises(ValueError, match="needs data.path"):
         pipeline.make_source(make_cfg("tokens"), "train", tmp_path)
+
+
+def test_train_batches_are_the_shuffled_sources_rows(tmp_path):
+    # The obvious twin of the batched pipeline (a draw a batch): the source's examples one at a
+    # time, in the order of grain's shuffle of the whole source, stacked B at a time.
+    cfg = make_cfg(seed=3)
+    examples = grain.MapDataset.source(pipeline.make_source(cfg, "train", tmp_path))
+    examples = examples.shuffle(seed=3).repeat(None)
+    got = take(iter(pipeline.train_dataset(cfg, tmp_path)), 12)  # past the 40-row epoch
+    for b, batch in enumerate(got):
+        rows = [examples[4 * b + r] for r in range(4)]
+        for name in FIELDS:
+            assert batch[name].dtype == rows[0][name].dtype
+            np.testing.assert_array_equal(batch[name], np.stack([row[name] for row in rows]))

@@ -361,3 +361,22 @@ def test_next_token_schema_source():
     np.testing.assert_array_equal(np.stack([r["real"] for r in rows]), real.astype(np.int32))
     assert all(r["inputs"].dtype == np.int32 and r["inputs"].shape == (1057,) for r in rows)
     assert all(not r["seq_idx"].any() for r in rows)
+
+
+@pytest.mark.parametrize(
+    "split, next_token, cached",
+    [("train", True, False), ("valid", False, False), ("test", True, True)],
+)
+def test_rows_are_the_examples_stacked(tmp_path, split, next_token, cached):
+    shape = {"seed": 7, "n_context": (2, 4), "n_key": (1, 3), "max_n_key": 3}
+    src = jr.JointRecallSource(
+        split, 30, **shape, next_token=next_token, cache_dir=tmp_path if cached else None
+    )
+    indices = [29, 3, 3, 0, 17]  # any order, repeats allowed
+    rows = src.rows(np.array(indices))
+    for name, value in src[0].items():
+        assert rows[name].dtype == value.dtype and rows[name].shape == (5, *value.shape)
+        np.testing.assert_array_equal(rows[name], np.stack([src[i][name] for i in indices]))
+    assert all(v.shape[0] == 0 for v in src.rows(np.array([], int)).values())
+    with pytest.raises(IndexError, match="out of range for a .* split of 30"):
+        src.rows([0, 30])
