@@ -380,3 +380,15 @@ def test_rows_are_the_examples_stacked(tmp_path, split, next_token, cached):
     assert all(v.shape[0] == 0 for v in src.rows(np.array([], int)).values())
     with pytest.raises(IndexError, match="out of range for a .* split of 30"):
         src.rows([0, 30])
+
+
+def test_pcg64_words_are_numpys_own_streams():
+    # The obvious twin: one np.random.PCG64 per seed (SeedSequence hashing, PCG64 seeding).
+    rng = np.random.default_rng(11)
+    seeds = rng.integers(0, 1 << 32, (40, 4)).tolist()
+    seeds += [[0, 0, 0, 0], [(1 << 32) - 1] * 4, [7, 980, 123_456, 3]]
+    # outside the vectorised form, numpy's own path: a word of 33 or 64 bits, three words
+    seeds += [[1 << 32, 0, 0, 0], [1 << 64, 0, 0, 0], [1, 2, 3]]
+    for group in (seeds[:-3], seeds[:3], *([s] for s in seeds[-3:])):
+        want = np.stack([np.random.PCG64(s).random_raw(37) for s in group])
+        np.testing.assert_array_equal(jr.pcg64_words(group, 37), want)
