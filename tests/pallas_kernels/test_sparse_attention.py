@@ -150,7 +150,7 @@ def test_matches_oracle_and_is_causal(pattern, binning):
 
 @pytest.mark.parametrize(
     "pattern, binning",
-    [("sw+dilated", "sign"), ("lsh+ks", "argmax"), ("sink+dilated+lsh+ks", "sign")],
+    [("sw", "sign"), ("sw+dilated", "sign"), ("lsh+ks", "argmax"), ("sink+dilated+lsh+ks", "sign")],
 )
 def test_num_keys_larger_than_l(pattern, binning):
     """l = 100 (not a power of two) with num_keys = 256 > l: still equal to the oracle."""
@@ -207,10 +207,11 @@ def test_dilated_early_queries_are_empty():
     np.testing.assert_array_equal(empty_bi, np.broadcast_to(np.arange(l) < 9, (B_, l)))
 
 
-def test_bf16_inputs():
+@pytest.mark.parametrize("pattern", ["sw+lsh+ks", "sw"])  # "sw" alone: no gather
+def test_bf16_inputs(pattern):
     """bf16 inputs compute in fp32 and come back in bf16, close to the oracle on the same."""
     inputs = make_inputs(37, seed=4, dtype=jnp.bfloat16)
-    static = dict(pattern="sw+lsh+ks", num_keys=12, max_len=MAX_LEN, binning="sign")
+    static = dict(pattern=pattern, num_keys=12, max_len=MAX_LEN, binning="sign")
     o = sparse_attention(**inputs, **static)
     assert o.dtype == jnp.bfloat16
     reference = jax.jit(sparse_attention_reference, static_argnames="spec")
@@ -390,9 +391,10 @@ def big_shapes(jaxpr, threshold):
     return found
 
 
-def test_lsh_ks_has_no_quadratic_array():
-    """lsh+ks forward + backward at l = 8192 holds no array with two axes >= l / 2; the same
-    walker finds the (l, l) arrays of the dense oracle, so the check can fail."""
+@pytest.mark.parametrize("pattern", ["lsh+ks", "sw"])
+def test_has_no_quadratic_array(pattern):
+    """lsh+ks (and sw, blocked) forward + backward at l = 8192 hold no array with two axes >= l /
+    2; the same walker finds the (l, l) arrays of the dense oracle, so the check can fail."""
     l = 8192
     rng = np.random.default_rng(7)
     q, k = (jnp.asarray(rng.standard_normal((1, l, 16)), jnp.float32) for _ in range(2))
@@ -402,7 +404,7 @@ def test_lsh_ks_has_no_quadratic_array():
 
     def jaxpr_of(fn):
         """Jaxpr of the gradient of sum(o) wrt q, k, v."""
-        spec = SparseSpec("lsh+ks", 64, hash_bits=8)
+        spec = SparseSpec(pattern, 64, hash_bits=8 if "lsh" in pattern else None)
         loss = lambda q, k, v: jnp.sum(  # noqa: E731
             fn(q, k, v, spec=spec, hash_proj=hash_proj, key_scores=key_scores)
         )
