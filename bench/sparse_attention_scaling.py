@@ -1,7 +1,7 @@
-"""Scaling of HAX sparse attention (lsh+ks) against its dense oracle: forward + backward time
-and compiled peak memory as the sequence length doubles.
+"""Scaling of HAX sparse attention (lsh+ks, or --pattern) against its dense oracle: forward +
+backward time and compiled peak memory as the sequence length doubles.
 
-    JAX_PLATFORMS=cpu python bench/sparse_attention_scaling.py [--write BENCHMARKS.md]
+    JAX_PLATFORMS=cpu python bench/sparse_attention_scaling.py [--pattern P] [--write BENCHMARKS.md]
 
 Per length: jit(value_and_grad(sum(o * w)) wrt q, k, v), warmed up once, then the median
 wall time of --repeats calls; memory is the compiled executable's memory_analysis():
@@ -53,8 +53,8 @@ def dense_reference(q, k, v, *, pattern, num_keys, hash_proj, key_scores, binnin
     )
 
 
-def compile_fwd_bwd(fn, inputs, num_keys):
-    """The compiled forward + backward of sum(o * w) for fn (lsh+ks, sign binning)."""
+def compile_fwd_bwd(fn, inputs, num_keys, pattern):
+    """The compiled forward + backward of sum(o * w) for fn (sign binning)."""
 
     def loss(q, k, v, hash_proj, key_scores, w):
         """Scalar loss of the attention output."""
@@ -62,7 +62,7 @@ def compile_fwd_bwd(fn, inputs, num_keys):
             q,
             k,
             v,
-            pattern="lsh+ks",
+            pattern=pattern,
             num_keys=num_keys,
             hash_proj=hash_proj,
             key_scores=key_scores,
@@ -84,7 +84,7 @@ def peak_bytes(compiled):
 def measure(fn, l, args, budget_bytes=None):
     """(median seconds or None if over budget, peak bytes) of forward + backward at length l."""
     inputs = make_inputs(l, args.n, args.e, args.hash_bits)
-    compiled, names = compile_fwd_bwd(fn, inputs, args.num_keys)
+    compiled, names = compile_fwd_bwd(fn, inputs, args.num_keys, args.pattern)
     peak = peak_bytes(compiled)
     if budget_bytes is not None and peak > budget_bytes:
         return None, peak
@@ -103,10 +103,10 @@ def ratio(cur, prev):
     return f"{cur / prev:.2f}x" if cur is not None and prev else "—"
 
 
-def table(rows):
+def table(rows, pattern):
     """Markdown table of the measurements with per-doubling growth ratios."""
     lines = [
-        "| l | lsh+ks time (ms) | x prev | lsh+ks peak (MiB) | x prev "
+        f"| l | {pattern} time (ms) | x prev | {pattern} peak (MiB) | x prev "
         "| dense time (ms) | x prev | dense peak (MiB) | x prev |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -127,9 +127,11 @@ def table(rows):
     return "\n".join(lines)
 
 
-def heading():
-    """The section heading names the backend, so CPU and GPU sections live side by side."""
-    return f"## sparse_attention scaling ({jax.default_backend().upper()})"
+def heading(pattern="lsh+ks"):
+    """The section heading names the backend (and a pattern other than lsh+ks), so CPU and GPU
+    sections, and the patterns', live side by side."""
+    which = "" if pattern == "lsh+ks" else f", {pattern}"
+    return f"## sparse_attention scaling{which} ({jax.default_backend().upper()})"
 
 
 def machine():
@@ -146,15 +148,15 @@ def section(rows, args):
     """The BENCHMARKS.md section: setup, table, notes."""
     return "\n".join(
         [
-            heading(),
+            heading(args.pattern),
             "",
             machine(),
             f"Command: `python bench/sparse_attention_scaling.py {' '.join(sys.argv[1:])}`",
             "",
             f"Forward + backward (jit(value_and_grad) wrt q, k, v) of one head, batch 1, "
-            f"n = {args.n}, e = {args.e}, num_keys = {args.num_keys}, pattern `lsh+ks`, sign "
-            f"binning with h = {args.hash_bits} ({2**args.hash_bits} buckets). Time: median of "
-            f"{args.repeats} runs "
+            f"n = {args.n}, e = {args.e}, num_keys = {args.num_keys}, pattern `{args.pattern}`, "
+            f"sign binning with h = {args.hash_bits} ({2**args.hash_bits} buckets). Time: "
+            f"median of {args.repeats} runs "
             "after one warm-up. Peak: the compiled executable's `memory_analysis()`, argument + "
             "output + temp bytes (XLA's estimate, not a measured RSS). "
             "`dense` is the O(l^2) oracle "
@@ -163,16 +165,16 @@ def section(rows, args):
             f"l = {args.dense_max}. `x prev` is the growth over the previous (half as long) row: "
             "about 2x means linear, about 4x quadratic.",
             "",
-            table(rows),
+            table(rows, args.pattern),
             "",
         ]
     )
 
 
-def write_section(path, text):
-    """Replace (or append) this script's section of the markdown file at path."""
+def write_section(path, text, heading_text):
+    """Replace (or append) the section headed `heading_text` of the markdown file at path."""
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
-    pattern = re.compile(re.escape(heading()) + r"\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(re.escape(heading_text) + r"\n.*?(?=^## |\Z)", re.S | re.M)
     new = (
         pattern.sub(lambda _: text + "\n", old)
         if pattern.search(old)
@@ -193,6 +195,7 @@ def main():
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--e", type=int, default=128)
     parser.add_argument("--num-keys", type=int, default=64)
+    parser.add_argument("--pattern", default="lsh+ks", help="the sparse pattern timed")
     parser.add_argument("--hash-bits", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", metavar="PATH", help="markdown file to put the section in")
@@ -212,7 +215,7 @@ def main():
     text = section(rows, args)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, text, heading(args.pattern))
 
 
 if __name__ == "__main__":

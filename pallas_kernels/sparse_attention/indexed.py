@@ -15,6 +15,7 @@ c block index, r position within a block, m merged keys + queries, z any leading
 import jax
 import jax.numpy as jnp
 
+from . import local
 from .reference import running_buckets
 
 # Gathered elements (query x slot x feature) per attention block: keeps the live block small
@@ -218,43 +219,6 @@ def attend_blocked(q_bin, k_bjn, v_bje, j_bis, valid_bis, block):
     return jnp.moveaxis(o_cbre, 0, 1).reshape(b, nblocks * block, -1)[:, :l]
 
 
-def sliding_window_attend(q_bin, k_bjn, v_bje, kc):
-    """Pattern "sw" alone, without a gather: queries in blocks of kc against the keys of their own
-    block and the one before ((kc, 2 kc) score tiles, matmuls on contiguous slices), each query i
-    over keys i - kc < j <= i, j >= 0: the slots `_sw_indices` selects, softmax as
-    `softmax_attend`'s. O(l kc (n + e)) time, O(l kc) memory."""
-    b, l, n = q_bin.shape
-    nblocks = -(-l // kc)
-
-    def blocks(x):
-        """(b, l, f) -> (b, nblocks, kc, f), the position axis padded with zeros."""
-        x = jnp.pad(x, [(0, 0), (0, nblocks * kc - l), (0, 0)])
-        return x.reshape(b, nblocks, kc, x.shape[-1])
-
-    def with_previous(x_bcrf):
-        """Each block's keys after the previous block's (zeros before the first)."""
-        previous = jnp.pad(x_bcrf[:, :-1], [(0, 0), (1, 0), (0, 0), (0, 0)])
-        return jnp.concatenate([previous, x_bcrf], axis=2)  # key t at position c kc - kc + t
-
-    q_bcrn, k_bctn, v_bcte = (
-        blocks(q_bin),
-        with_previous(blocks(k_bjn)),
-        with_previous(blocks(v_bje)),
-    )
-    highest = jax.lax.Precision.HIGHEST
-    scores_bcrt = jnp.einsum("bcrn,bctn->bcrt", q_bcrn, k_bctn, precision=highest)
-    r_r1, t_1t = jnp.arange(kc)[:, None], jnp.arange(2 * kc)[None, :]
-    first_c11 = (jnp.arange(nblocks) == 0)[:, None, None]
-    valid_crt = (t_1t > r_r1) & (t_1t <= r_r1 + kc) & ~(first_c11 & (t_1t < kc))
-    # Every query holds itself (t = r + kc): a row always has a valid slot.
-    scores_bcrt = jnp.where(valid_crt, scores_bcrt, -jnp.inf)
-    max_bcr1 = jax.lax.stop_gradient(jnp.max(scores_bcrt, axis=-1, keepdims=True))
-    weights_bcrt = jnp.where(valid_crt, jnp.exp(scores_bcrt - max_bcr1), 0.0)
-    o_bcre = jnp.einsum("bcrt,bcte->bcre", weights_bcrt, v_bcte, precision=highest)
-    o_bcre = o_bcre / jnp.sum(weights_bcrt, axis=-1, keepdims=True)
-    return o_bcre.reshape(b, nblocks * kc, -1)[:, :l]
-
-
 def query_block_size(l, slots, n, e):
     """Queries per attention block: about BLOCK_ELEMENTS gathered elements, a power of two."""
     target = max(1, BLOCK_ELEMENTS // max(1, slots * (n + e)))
@@ -275,14 +239,13 @@ def full_attention(q, k, v):
 
 def sparse_attention_indexed(q, k, v, *, spec, hash_proj=None, key_scores=None, query_block=None):
     """Sparse attention by gathered keys; O(l * num_keys * (n + e)) time, O(l * num_keys) memory
-    (plus one block of gathered keys). query_block=None picks `query_block_size` (and "sw" alone
-    takes `sliding_window_attend`, no gather); 0 gathers the whole sequence at once. "full" goes to
-    `full_attention`."""
+    (plus one block of gathered keys). query_block=None picks `query_block_size` (and positional
+    patterns take `local.local_attend`, no gather); 0 gathers the whole sequence at once. "full"
+    goes to `full_attention`."""
     if spec.has("full"):
         return full_attention(q, k, v)
-    if spec.components == ("sw",) and query_block is None:
-        f32 = (x.astype(jnp.float32) for x in (q, k, v))
-        return sliding_window_attend(*f32, spec.keys_per_component).astype(v.dtype)
+    if local.handles(spec) and query_block is None:
+        return local.local_attend(*(x.astype(jnp.float32) for x in (q, k, v)), spec).astype(v.dtype)
     j_bis, valid_bis = selected_indices(q, k, spec=spec, hash_proj=hash_proj, key_scores=key_scores)
     j_bis, valid_bis = dedupe(j_bis, valid_bis)
     q_bin, k_bjn, v_bje = (x.astype(jnp.float32) for x in (q, k, v))

@@ -157,6 +157,12 @@ def test_num_keys_larger_than_l(pattern, binning):
     check_against_oracle(pattern, binning, 100, 256, make_inputs(100, seed=1))
 
 
+@pytest.mark.parametrize("pattern", ["sink+dilated", "sw+sink+dilated", "dilated+sink"])
+def test_positional_unions_count_each_key_once(pattern):
+    """Unions of sw, sink and dilated (no gather: local.py) overlap; each key is counted once."""
+    check_against_oracle(pattern, "sign", 37, 12, make_inputs(37, seed=6))
+
+
 def test_queries_with_no_key_output_zero():
     """lsh alone, built so that some queries' buckets hold no key yet: those rows output exactly
     0 with exactly zero gradient (not a softmax over unselected or future keys)."""
