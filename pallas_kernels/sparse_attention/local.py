@@ -42,7 +42,7 @@ def _with_previous(x_bcrf):
 
 def _tile_scores(q, keys, kc, size, count):
     """Scores (b, l, 2 kc) of blocks of `size` queries against the key rows `keys` (b, m, n)
-    blocked by kc, each block of queries against key blocks c - 1 and c; and those key tiles."""
+    blocked by kc, each block of queries against key blocks c - 1 and c."""
     b, l, _ = q.shape
     k_bctn = _with_previous(_blocks(keys, kc, count))
     scores = jnp.einsum("bcrn,bctn->bcrt", _blocks(q, size, count), k_bctn, precision=HIGHEST)
@@ -76,8 +76,10 @@ def local_attend(q, k, v, spec):
     if "sink" in comps:
         m = min(kc, l)
         j_ls = jnp.broadcast_to(jnp.arange(m)[None, :], (l, m))
-        taken = j_ls > i_l1 - kc if "sw" in comps else False
-        j_ls = jnp.where((j_ls <= i_l1) & ~taken, j_ls, -1)
+        keep = j_ls <= i_l1
+        if "sw" in comps:
+            keep &= j_ls <= i_l1 - kc  # nearer keys are the window's
+        j_ls = jnp.where(keep, j_ls, -1)
         scores = jnp.einsum("bin,bsn->bis", q, k[:, :m], precision=HIGHEST)
         parts.append(
             (
@@ -94,9 +96,9 @@ def local_attend(q, k, v, spec):
         j_lt = u_lt * d + d - 1
         ok = (u_lt > u_i1 - kc) & (u_lt <= u_i1) & (u_lt >= 0)
         if "sw" in comps:
-            ok &= j_lt <= i_l1 - kc
+            ok &= j_lt <= i_l1 - kc  # the window's
         if "sink" in comps:
-            ok &= j_lt >= kc
+            ok &= j_lt >= kc  # the sinks'
         strided_k, strided_v = k[:, d - 1 :: d], v[:, d - 1 :: d]
         tiles = (kc, size, count)
         parts.append(
