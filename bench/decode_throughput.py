@@ -2,8 +2,11 @@
 transformers' generate (mamba_ssm's: bench/decode_mamba_ssm.py).
 
     python bench/decode_throughput.py [--batches 1,64] [--prompt 2048] [--new 128] [--peer]
+        [--params bfloat16|float32]
 
-Random bf16 models (the speed does not depend on the weights), random prompts of --prompt tokens,
+Random models computing in bf16 (the speed does not depend on the weights), their floating
+parameters stored in bf16 as mamba_ssm's peer's are (--params float32: as trained, fp32 parameters
+cast inside the program; rows before 2026-11-28 ran that way), random prompts of --prompt tokens,
 greedy decoding of exactly --new tokens (no stop token). For each batch size it times the prefill
 alone (max_new_tokens=1) and the whole call, each the best of --repeats after a compiling call, and
 reports
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -52,16 +56,19 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def ours(name: str, batch: int, prompt: int, new: int, repeats: int) -> dict:
-    """hax_jax.generate on a random bf16 model."""
+def ours(name: str, batch: int, prompt: int, new: int, repeats: int, params="bfloat16") -> dict:
+    """hax_jax.generate on a random model computing in bf16, its parameters in `params`."""
     cfg = dataclasses.replace(load_config_file(ROOT / MODELS[name]).model, dtype="bfloat16")
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    if params != "float32":  # as a model is served: floating parameters stored in bf16
+        cast = lambda x: x.astype(params) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        nnx.update(model, jax.tree.map(cast, nnx.state(model, nnx.Param)))
     tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt))
     runs = {n: (lambda n=n: generate(model, tokens, n)) for n in (1, new)}
     for run in runs.values():
         run()  # compile
     prefill, whole = (best_time(runs[n], repeats) for n in (1, new))
-    return rates("hax_jax", name, batch, prompt, new, prefill, whole)
+    return {**rates("hax_jax", name, batch, prompt, new, prefill, whole), "params": params}
 
 
 def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
@@ -123,6 +130,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--params",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="our models' parameter dtype (compute is bf16 either way; mamba_ssm's peer: bf16)",
+    )
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--write", default="")
     args = parser.parse_args()
@@ -133,7 +146,7 @@ def main() -> None:
     results = []
     for batch in batches:
         for name in names:
-            results.append(ours(name, batch, args.prompt, args.new, args.repeats))
+            results.append(ours(name, batch, args.prompt, args.new, args.repeats, args.params))
             print(json.dumps(results[-1]), flush=True)
         if args.peer:
             try:

@@ -22,8 +22,14 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("decode_ops.py", ["--batch", "0"], "--batch must be at least 1, got 0"),
         ("decode_throughput.py", ["--models", "nope"], "unknown --models nope"),
         ("decode_throughput.py", ["--batches", "0"], "--batches must be positive"),
+        ("decode_throughput.py", ["--params", "fp16"], "--params: invalid choice: 'fp16'"),
         ("longest_sequence.py", ["--case", "lm_nope"], "unknown --case lm_nope"),
         ("sparse_attention_scaling.py", ["--lengths", "0"], "--lengths must be at least 1, got 0"),
+        (
+            "sparse_attention_scaling.py",
+            ["--pattern", "sw+nope", "--lengths", "64"],
+            "unknown component 'nope' in pattern 'sw+nope'",
+        ),
         ("sparse_attention_kernel.py", ["--block-q", "24"], "block_q must be a power of two"),
     ],
     ids=[
@@ -33,8 +39,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         "batch-0",
         "unknown-decode-model",
         "decode-batch-0",
+        "decode-params-dtype",
         "longest-unknown-case",
         "scaling-length-0",
+        "scaling-unknown-pattern",
         "kernel-block-not-a-power-of-two",
     ],
 )
