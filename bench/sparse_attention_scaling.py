@@ -45,16 +45,17 @@ def make_inputs(l, n, e, hash_bits, seed=0):
     )
 
 
-def dense_reference(q, k, v, *, pattern, num_keys, hash_proj, key_scores, binning):
+def dense_reference(q, k, v, *, pattern, num_keys, hash_proj, key_scores, binning, max_len):
     """`sparse_attention_reference` called as `sparse_attention` is (settings as keywords)."""
-    spec = SparseSpec(pattern, num_keys, hash_bits=hash_proj.shape[1], binning=binning)
+    hash_bits = hash_proj.shape[1]
+    spec = SparseSpec(pattern, num_keys, hash_bits=hash_bits, binning=binning, max_len=max_len)
     return sparse_attention_reference(
         q, k, v, spec=spec, hash_proj=hash_proj, key_scores=key_scores
     )
 
 
-def compile_fwd_bwd(fn, inputs, num_keys, pattern):
-    """The compiled forward + backward of sum(o * w) for fn (sign binning)."""
+def compile_fwd_bwd(fn, inputs, num_keys, pattern, max_len):
+    """The compiled forward + backward of sum(o * w) for fn (sign binning; max_len: dilated's)."""
 
     def loss(q, k, v, hash_proj, key_scores, w):
         """Scalar loss of the attention output."""
@@ -67,6 +68,7 @@ def compile_fwd_bwd(fn, inputs, num_keys, pattern):
             hash_proj=hash_proj,
             key_scores=key_scores,
             binning="sign",
+            max_len=max_len,
         )
         return jnp.sum(o * w)
 
@@ -84,7 +86,8 @@ def peak_bytes(compiled):
 def measure(fn, l, args, budget_bytes=None):
     """(median seconds or None if over budget, peak bytes) of forward + backward at length l."""
     inputs = make_inputs(l, args.n, args.e, args.hash_bits)
-    compiled, names = compile_fwd_bwd(fn, inputs, args.num_keys, args.pattern)
+    max_len = args.max_len or l  # dilated: a key every max_len // kc positions
+    compiled, names = compile_fwd_bwd(fn, inputs, args.num_keys, args.pattern, max_len)
     peak = peak_bytes(compiled)
     if budget_bytes is not None and peak > budget_bytes:
         return None, peak
@@ -196,11 +199,14 @@ def main():
     parser.add_argument("--e", type=int, default=128)
     parser.add_argument("--num-keys", type=int, default=64)
     parser.add_argument("--pattern", default="lsh+ks", help="the sparse pattern timed")
+    parser.add_argument(
+        "--max-len", type=int, default=0, help="dilated's max_len (0: each row's length l)"
+    )
     parser.add_argument("--hash-bits", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--write", metavar="PATH", help="markdown file to put the section in")
     args = parser.parse_args()
-    timing.check_sizes(parser, args, zero_ok=("dense_max",))
+    timing.check_sizes(parser, args, zero_ok=("dense_max", "max_len"))
     rows = []
     for l in args.lengths:
         try:

@@ -25,6 +25,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("decode_throughput.py", ["--params", "fp16"], "--params: invalid choice: 'fp16'"),
         ("longest_sequence.py", ["--case", "lm_nope"], "unknown --case lm_nope"),
         ("sparse_attention_scaling.py", ["--lengths", "0"], "--lengths must be at least 1, got 0"),
+        ("sparse_attention_scaling.py", ["--max-len", "-1"], "--max-len must be at least 0"),
         (
             "sparse_attention_scaling.py",
             ["--pattern", "sw+nope", "--lengths", "64"],
@@ -42,6 +43,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         "decode-params-dtype",
         "longest-unknown-case",
         "scaling-length-0",
+        "scaling-max-len-negative",
         "scaling-unknown-pattern",
         "kernel-block-not-a-power-of-two",
     ],
