@@ -412,12 +412,7 @@ class JointRecallSource:
             "max_n_key": max_n_key,
             "outer_levels": tuple(outer_levels),
         }
-        # Attempts are tried in order, in batches of about half the expected number (1 for train,
-        # 50 for valid and test) of at most ~1M random words: the batch size changes the speed,
-        # never the example.
-        lo, hi = SPLITS[split]
-        words = draw_count((*outer_levels, max_n_context, max_n_key))
-        self.attempts_per_batch = max(1, min(-(-500 // (hi - lo)), (1 << 20) // words))
+        self.words = draw_count((*outer_levels, max_n_context, max_n_key))  # an attempt's
         self.vocab_size, self.cache_dir, self.stored = vocab_size, cache_dir, None
 
     def __len__(self) -> int:
@@ -429,7 +424,7 @@ class JointRecallSource:
         if not 0 <= index < self.size:
             raise IndexError(f"index {index} out of range for a {self.split} split of {self.size}")
         if self.cache_dir is None:
-            tokens, mask = self._draw(index)
+            tokens, mask = (x[0] for x in self._draw_rows(np.array([index])))
         else:
             tokens, mask = self._stored(index)
         return to_example(tokens, mask) if self.next_token else {"tokens": tokens, "mask": mask}
@@ -449,25 +444,33 @@ class JointRecallSource:
         return to_example(tokens, mask)
 
     def _draw_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`_draw` of every index at once: attempt 0 of all, then attempt 1 of those it missed..."""
+        """(tokens, mask) (n, L) of examples `indices`: each index's first attempt hashed into the
+        split's range. Attempts are tried in order, every index still missing one at once, in
+        rounds of up to about half the expected number each (1 for train, 50 for valid and test)
+        and about 1M random words in all: the rounds change the speed, never the example."""
         lo, hi = SPLITS[self.split]
         length = padded_length(
             self.shape["max_n_context"], self.shape["max_n_key"], self.shape["outer_levels"]
         )
         tokens = np.empty((len(indices), length), np.int32)
         mask = np.empty((len(indices), length), np.int32)
-        todo = np.arange(len(indices))
-        for attempt in range(1_000_000):  # about 2% of train attempts hash outside the split
-            if not todo.size:
-                return tokens, mask
-            seeds = [[self.seed, lo, int(indices[i]), attempt] for i in todo]
+        todo, first = np.arange(len(indices)), 0
+        while todo.size:
+            if first >= 1_000_000:
+                raise RuntimeError("no example of this split found")  # unreachable: p >= 1%
+            per = max(1, min(-(-500 // (hi - lo)), (1 << 20) // (self.words * todo.size)))
+            seeds = [
+                [self.seed, lo, int(indices[i]), a] for i in todo for a in range(first, first + per)
+            ]
             drawn, drawn_mask = sample_batch(
                 seeds, n_context=self.n_context, n_key=self.n_key, **self.shape
             )
-            hit = np.array([lo <= example_hash(row) < hi for row in drawn], bool)
-            tokens[todo[hit]], mask[todo[hit]] = drawn[hit], drawn_mask[hit]
-            todo = todo[~hit]
-        raise RuntimeError("no example of this split found")  # unreachable: p >= 1% a draw
+            hit = np.array([lo <= example_hash(row) < hi for row in drawn]).reshape(-1, per)
+            found = hit.any(axis=1)
+            row = (np.arange(todo.size) * per + hit.argmax(axis=1))[found]  # each one's first hit
+            tokens[todo[found]], mask[todo[found]] = drawn[row], drawn_mask[row]
+            todo, first = todo[~found], first + per
+        return tokens, mask
 
     def _stored(self, index) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, mask) int32 of example(s) `index` from the split cache (drawn at first use)."""
@@ -478,23 +481,6 @@ class JointRecallSource:
             self.stored["tokens"][index].astype(np.int32),
             self.stored["mask"][index].astype(np.int32),
         )
-
-    def _draw(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Example `index`'s (tokens, mask): its first attempt hashed into the split's range."""
-        lo, hi = SPLITS[self.split]
-        batch = self.attempts_per_batch
-        for first in range(0, 1_000_000, batch):
-            seeds = [[self.seed, lo, index, a] for a in range(first, first + batch)]
-            tokens, mask = sample_batch(
-                seeds, n_context=self.n_context, n_key=self.n_key, **self.shape
-            )
-            for row in range(batch):
-                if lo <= example_hash(tokens[row]) < hi:
-                    # Copies: a view would keep the whole batch of attempts alive.
-                    return tokens[row].copy(), mask[row].copy()
-        raise RuntimeError(
-            "no example of this split found"
-        )  # unreachable: each draw lands with p >= 1%
 
     def _cache_name(self) -> str:
         """The split's file name in the cache: its parameters and this generator's code."""
@@ -512,11 +498,11 @@ class JointRecallSource:
     def _draw_all(self) -> dict[str, np.ndarray]:
         """Every example, drawn on threads (numpy and the hash release the GIL), stored small."""
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-            drawn = list(pool.map(self._draw, range(self.size)))
+            drawn = list(pool.map(lambda i: self._draw_rows(np.array([i])), range(self.size)))
         dtype = np.uint8 if self.vocab_size <= 256 else np.int32
         return {
-            "tokens": np.stack([t for t, _ in drawn]).astype(dtype),
-            "mask": np.stack([m for _, m in drawn]).astype(bool),
+            "tokens": np.concatenate([t for t, _ in drawn]).astype(dtype),
+            "mask": np.concatenate([m for _, m in drawn]).astype(bool),
         }
 
 

@@ -61,7 +61,7 @@ def _tile_values(weights, values, kc, size, count):
 def local_attend(q, k, v, spec):
     """Sparse attention of a positional `spec` (see `handles`): o (b, l, e) fp32 of q, k (b, l, n)
     and v (b, l, e) fp32."""
-    b, l, _ = q.shape
+    l = q.shape[1]
     kc, comps = spec.keys_per_component, spec.components
     i_l1 = jnp.arange(l)[:, None]
     parts = []  # per component: scores (b, l, s), slot key positions (l, s) (-1: none), values

@@ -188,10 +188,10 @@ def test_a_cached_split_holds_the_same_examples_and_is_drawn_once(
     # Another process's source (a resumed run, eval.py) reads the file and draws nothing.
     expected = drawn[4]
 
-    def no_draw(self, index):
+    def no_draw(self, indices):
         raise AssertionError("drew an example the cache holds")
 
-    monkeypatch.setattr(jr.JointRecallSource, "_draw", no_draw)
+    monkeypatch.setattr(jr.JointRecallSource, "_draw_rows", no_draw)
     again = jr.JointRecallSource(split, 6, **shape, cache_dir=tmp_path)[4]
     for name, value in expected.items():
         np.testing.assert_array_equal(again[name], value)
