@@ -62,6 +62,10 @@
 #        tp_2_7b   Mamba-2 2.7B on tensor=2;  tp_1_3b: 1.3B on tensor=2
 #                  (BATCH=N: N rows of 2048 for big_one and tp_*; default 8; LHS=1: tp_* with
 #                  XLA's latency-hiding scheduler, logged as tensor2_<size>_lhs)
+#        threshold  one GPU and data=2 (Mamba-2 130M, 8 x 2048 a GPU), then one GPU and seq=2 (1 x
+#                  32768), each 2-GPU step as compiled and with XLA's all-reduces joined only up to MIBS
+#                  MiB (default "4"; the in_proj and out_proj gradients, 10.3 and 4.7 MB, stay whole
+#                  and are not copied, the small ones are joined; mesh.combine_collectives=on)
 #        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch),
 #                  for CASE (default lm_mamba2_130m) on the 2-GPU mesh TWO (default "mesh.data=2
 #                  data.batch_size=16"; e.g. CASE=lm_mamba2_130m_32k TWO="mesh.data=1 mesh.seq=2")
@@ -74,7 +78,7 @@ set -uo pipefail
 phases="dp, dp_tp, dp_flags, dp_combine, seq, seq_profile, seq_memory, gather_seq, gather_dp, seq_p2p, seq_latency"
 phases+=", seq_ab, seq_hax_ab"
 phases+=", seq_hax, hax_64k, hax_64k_apart, hax_sched, pgle_seq"
-phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, procs"
+phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, threshold, procs"
 phase=${1:?phase: one of $phases}
 out=${2:?output directory}
 mkdir -p "$out"
@@ -363,6 +367,22 @@ tp_2_7b | tp_1_3b)
     if [[ ${LHS:-0} == 1 ]]; then export XLA_FLAGS="$lhs_flags"; suffix=_lhs; fi
     run "tensor2_$size$suffix" 500 $tp --cases "lm_mamba2_$size" --steps 10 --no-e2e --collectives \
         --set $big mesh.data=1 mesh.tensor=2
+    ;;
+threshold)
+    # A joined all-reduce is copied into one buffer and sliced out after (dp_combine): with a small
+    # threshold only the small gradients are joined; the large ones are reduced in place.
+    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps &
+    gpu 1 run one_gpu_32k 200 $tp --cases lm_mamba2_130m_32k $steps &
+    wait
+    for case in "130m lm_mamba2_130m mesh.data=2 data.batch_size=16" "32k lm_mamba2_130m_32k $seq2"; do
+        read -r name c two <<<"$case"
+        run "two_$name" 150 $tp --cases "$c" $steps --collectives --set $two
+        for mib in ${MIBS:-4}; do
+            XLA_FLAGS="--xla_gpu_all_reduce_combine_threshold_bytes=$((mib << 20))" \
+                run "two_${name}_${mib}mib" 150 $tp --cases "$c" $steps --collectives \
+                --set $two mesh.combine_collectives=on
+        done
+    done
     ;;
 procs)
     # four windows each: the one-GPU baseline's two windows were 6% apart (eleventh session)
