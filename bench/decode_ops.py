@@ -14,7 +14,6 @@ the copies' shapes (a cache meant to be updated in place but copied costs its wh
 import argparse
 import collections
 import dataclasses
-import importlib
 import json
 import re
 import sys
@@ -27,13 +26,10 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import timing
-from bench.decode_throughput import MODELS, ROOT
+from bench.decode_throughput import MODELS, ROOT, decode_program_text
 from bench.hlo_liveness import ALIASES, INSTRUCTION
 from hax_jax.config import load_config_file
 from hax_jax.models.lm import LanguageModel
-
-# the module (hax_jax.generate is also the function's name in the package)
-generation = importlib.import_module("hax_jax.generate")
 
 
 def _loop_body(hlo: str) -> list[tuple[str, str]]:
@@ -65,23 +61,12 @@ def loop_body_copies(hlo: str) -> collections.Counter:
 
 def decode_hlo(name: str, n_layer: int, batch: int, prompt: int) -> str:
     """The optimized HLO of generate's decode program for model `name` with n_layer layers (random
-    bf16 weights)."""
+    weights, bf16 compute)."""
     cfg = load_config_file(ROOT / MODELS[name]).model
     cfg = dataclasses.replace(cfg, dtype="bfloat16", n_layer=n_layer)
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt))
-    compiled, decode = [], generation._decode
-
-    def recording(*args, **kwargs):
-        compiled.append(decode.lower(*args, **kwargs).compile().as_text())
-        return decode(*args, **kwargs)
-
-    generation._decode = recording
-    try:
-        generation.generate(model, tokens, 2)
-    finally:
-        generation._decode = decode
-    return compiled[-1]
+    return decode_program_text(model, tokens)
 
 
 def main() -> None:

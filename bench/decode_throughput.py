@@ -2,7 +2,7 @@
 transformers' generate (mamba_ssm's: bench/decode_mamba_ssm.py).
 
     python bench/decode_throughput.py [--batches 1,64] [--prompt 2048] [--new 128] [--peer]
-        [--params bfloat16|float32]
+        [--params bfloat16|float32] [--profile N] [--hlo-dir DIR]
 
 Random models computing in bf16 (the speed does not depend on the weights), their floating
 parameters stored in bf16 as mamba_ssm's peer's are (--params float32: as trained, fp32 parameters
@@ -17,10 +17,17 @@ With --peer, transformers' Mamba2ForCausalLM (same architecture, bf16, cached ge
 min_new_tokens = max_new_tokens) is timed the same way in the same process; what it runs
 (CUDA/Triton kernels or its pure-torch path) depends on what is installed, and the output says
 which.
+
+--profile N (GPU) also traces our prefill-only and whole calls and prints, per (model, batch), the
+kernel time a decoded token costs against its wall time (the difference is launch and host time) and
+the N kernels that cost most a token (the whole call's kernel time less the prefill's, over new - 1
+tokens); --hlo-dir writes each decode program's optimized HLO (`<model>_b<batch>.hlo.txt`), which
+names those kernels (XLA's fusions by their HLO name).
 """
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import time
@@ -39,6 +46,9 @@ from hax_jax.config import load_config_file  # noqa: E402
 from hax_jax.generate import generate  # noqa: E402
 from hax_jax.models.lm import LanguageModel  # noqa: E402
 
+# the module (hax_jax.generate is also the function's name in the package)
+generation = importlib.import_module("hax_jax.generate")
+
 MODELS = {
     "mamba2_130m": "configs/released.py:mamba2_130m",
     "hax_mamba2_130m": "configs/hax_130m.py",
@@ -56,19 +66,61 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def ours(name: str, batch: int, prompt: int, new: int, repeats: int, params="bfloat16") -> dict:
-    """hax_jax.generate on a random model computing in bf16, its parameters in `params`."""
+def random_model(name: str, params: str = "bfloat16") -> LanguageModel:
+    """Model `name` with random weights, computing in bf16, its floating parameters in `params`."""
     cfg = dataclasses.replace(load_config_file(ROOT / MODELS[name]).model, dtype="bfloat16")
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     if params != "float32":  # as a model is served: floating parameters stored in bf16
         cast = lambda x: x.astype(params) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
         nnx.update(model, jax.tree.map(cast, nnx.state(model, nnx.Param)))
-    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt))
+    return model
+
+
+def decode_program_text(model, tokens) -> str:
+    """The optimized HLO of the decode program generate compiles for `model` and `tokens`."""
+    compiled, decode = [], generation._decode
+
+    def recording(*args, **kwargs):
+        compiled.append(decode.lower(*args, **kwargs).compile().as_text())
+        return decode(*args, **kwargs)
+
+    generation._decode = recording
+    try:
+        generate(model, tokens, 2)
+    finally:
+        generation._decode = decode
+    return compiled[-1]
+
+
+def ours(name: str, batch: int, prompt: int, new: int, repeats: int, params="bfloat16") -> dict:
+    """hax_jax.generate on a random model computing in bf16, its parameters in `params`."""
+    model = random_model(name, params)
+    tokens = np.random.default_rng(0).integers(1, model.cfg.vocab_size, (batch, prompt))
     runs = {n: (lambda n=n: generate(model, tokens, n)) for n in (1, new)}
     for run in runs.values():
         run()  # compile
     prefill, whole = (best_time(runs[n], repeats) for n in (1, new))
     return {**rates("hax_jax", name, batch, prompt, new, prefill, whole), "params": params}
+
+
+def decode_profile(name, batch, prompt, new, params, top: int, hlo_dir: Path | None) -> dict:
+    """Kernel time a decoded token costs (the whole call's less the prefill's, over new - 1 tokens),
+    with the `top` costliest kernels; the decode program's HLO written to hlo_dir."""
+    model = random_model(name, params)
+    tokens = np.random.default_rng(0).integers(1, model.cfg.vocab_size, (batch, prompt))
+    if hlo_dir:
+        (hlo_dir / f"{name}_b{batch}.hlo.txt").write_text(decode_program_text(model, tokens))
+    prefill, whole = (
+        timing.kernel_times_us(lambda n=n: generate(model, tokens, n), reps=3) for n in (1, new)
+    )
+    per_token = {k: (us - prefill.get(k, 0.0)) / (new - 1) for k, us in whole.items()}
+    ranked = sorted(per_token.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "model": name,
+        "batch": batch,
+        "kernel_us_per_token": round(sum(per_token.values()), 1),
+        "top_kernels_us_per_token": {k[:100]: round(us, 2) for k, us in ranked},
+    }
 
 
 def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
@@ -138,9 +190,13 @@ def main() -> None:
     )
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--write", default="")
+    parser.add_argument("--profile", type=int, default=0, help="list this many top GPU kernels")
+    parser.add_argument("--hlo-dir", type=Path, help="write each decode program's HLO here")
     args = parser.parse_args()
     names = timing.known_names(parser, "--models", args.models.split(","), MODELS)
-    timing.check_sizes(parser, args)
+    timing.check_sizes(parser, args, zero_ok=("profile",))
+    if args.hlo_dir:
+        timing.make_dir(parser, "--hlo-dir", args.hlo_dir)
     batches = timing.ascending_ints(args.batches, "--batches")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     results = []
@@ -148,6 +204,9 @@ def main() -> None:
         for name in names:
             results.append(ours(name, batch, args.prompt, args.new, args.repeats, args.params))
             print(json.dumps(results[-1]), flush=True)
+            if args.profile or args.hlo_dir:
+                shape = (name, batch, args.prompt, args.new, args.params)
+                print(json.dumps(decode_profile(*shape, args.profile, args.hlo_dir)), flush=True)
         if args.peer:
             try:
                 results.append(peer(batch, args.prompt, args.new, args.repeats))
