@@ -105,11 +105,12 @@ def step_arrays(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
             j_s = ((t + 1) // d) * d - 1 - d * s_s
             parts.append((j_s, j_s >= 0))
         elif comp == "lsh":
+            # k and q stacked: one centring and one hash projection for both (fewer ops a token).
             count = (t + 1).astype(jnp.float32)
-            k_c_bn, k_scale_b = centred(k_bn, k_sum / count)
-            q_c_bn, q_scale_b = centred(q_bn, q_sum / count)
-            bucket_k_b = lsh_buckets(k_c_bn, hash_proj, spec.binning, k_scale_b)
-            bucket_q_b = lsh_buckets(q_c_bn, hash_proj, spec.binning, q_scale_b)
+            kq_c_2bn, kq_scale_2b = centred(
+                jnp.stack([k_bn, q_bn]), jnp.stack([k_sum, q_sum]) / count
+            )
+            bucket_k_b, bucket_q_b = lsh_buckets(kq_c_2bn, hash_proj, spec.binning, kq_scale_2b)
             # Push t into its key bucket's row (drop the oldest), then read the query's row.
             row_bs = lsh_table[batch_b, bucket_k_b]
             row_bs = jnp.concatenate([row_bs[:, 1:], jnp.full((b, 1), t, jnp.int32)], axis=1)
@@ -117,16 +118,13 @@ def step_arrays(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
             j_bs = lsh_table[batch_b, bucket_q_b]
             parts.append((j_bs, j_bs >= 0))
         else:  # ks
-            # The new key goes last, so lax.top_k's lower-index-first rule keeps ties earlier.
             score_b1 = jax.lax.stop_gradient(key_score.astype(jnp.float32))[:, None]
-            merged_scores = jnp.concatenate([ks_scores, score_b1], axis=1)
-            merged_pos = jnp.concatenate([ks_pos, jnp.full((b, 1), t, jnp.int32)], axis=1)
-            ks_scores, top_bs = jax.lax.top_k(merged_scores, kc)
-            ks_pos = jnp.take_along_axis(merged_pos, top_bs, axis=1)
+            ks_scores, ks_pos = insert_top(ks_scores, ks_pos, score_b1, t)
             parts.append((ks_pos, ks_pos >= 0))
     j_bs = jnp.concatenate([jnp.broadcast_to(p[0], (b, p[0].shape[-1])) for p in parts], -1)
     valid_bs = jnp.concatenate([jnp.broadcast_to(p[1], (b, p[1].shape[-1])) for p in parts], -1)
-    j_bs, valid_bs = dedupe(j_bs, valid_bs)
+    if len(spec.components) > 1:  # one component never selects a position twice
+        j_bs, valid_bs = step_dedupe(j_bs, valid_bs)
     k_bsn = gather_rows(keys, j_bs).astype(jnp.float32)
     v_bse = gather_rows(values, j_bs).astype(jnp.float32)
     o_be = softmax_attend(q_bn, k_bsn, v_bse, valid_bs)
@@ -142,6 +140,37 @@ def step_arrays(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
         ks_pos=ks_pos,
     )
     return o_be, new_cache
+
+
+# Up to this many slots a step finds repeats by comparing every pair (one fused op, no sort).
+PAIRWISE_DEDUPE_SLOTS = 256
+
+
+def step_dedupe(j_bs, valid_bs):
+    """`dedupe` for one query a row: each position counted once (repeats and invalid slots
+    masked, returned as position 0). A few slots compare every pair, keeping a position's first
+    slot; many ("full" beside another component) sort, as `dedupe` does."""
+    slots = j_bs.shape[-1]
+    if slots > PAIRWISE_DEDUPE_SLOTS:
+        return dedupe(j_bs, valid_bs)
+    earlier_ss = jnp.arange(slots)[None, :] < jnp.arange(slots)[:, None]
+    same_bss = (j_bs[:, :, None] == j_bs[:, None, :]) & valid_bs[:, None, :] & earlier_ss
+    valid_bs = valid_bs & ~jnp.any(same_bss, axis=-1)
+    return jnp.where(valid_bs, j_bs, 0), valid_bs
+
+
+def insert_top(scores_bs, pos_bs, score_b1, t):
+    """The running top-kc (scores descending, ties earlier first) with position t's score added,
+    as lax.top_k of the scores with the new one last would keep them: it goes after every kept
+    score >= it, the rest move down one slot and the last drops out. Elementwise (no sort)."""
+    slot_s = jnp.arange(scores_bs.shape[-1])
+    at_b1 = jnp.sum(scores_bs >= score_b1, axis=-1, keepdims=True)
+    down_scores = jnp.concatenate([score_b1, scores_bs[:, :-1]], axis=-1)
+    down_pos = jnp.concatenate([jnp.full_like(pos_bs[:, :1], t), pos_bs[:, :-1]], axis=-1)
+    before, here = slot_s < at_b1, slot_s == at_b1
+    scores_bs = jnp.where(before, scores_bs, jnp.where(here, score_b1, down_scores))
+    pos_bs = jnp.where(before, pos_bs, jnp.where(here, t, down_pos))
+    return scores_bs, pos_bs
 
 
 # ---------------------------------------------------------------- prefill

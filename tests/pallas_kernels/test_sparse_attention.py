@@ -257,6 +257,22 @@ def test_step_equals_parallel(pattern, binning):
     assert_close(cache.k_sum, inputs["k"].sum(1), TOL[jnp.float32])
 
 
+@pytest.mark.parametrize("slots", [24, 300])  # compared pairwise; past 256 sorted
+def test_step_dedupe_keeps_each_position_once(slots):
+    """The step's dedupe keeps each valid position exactly once: per row the kept positions are
+    the set of valid ones (written here as Python sets), masked slots read position 0."""
+    from pallas_kernels.sparse_attention.decode import step_dedupe
+
+    rng = np.random.default_rng(0)
+    j = rng.integers(0, slots // 3, (3, slots)).astype(np.int32)  # many repeats
+    valid = rng.random((3, slots)) < 0.7
+    j_out, valid_out = map(np.asarray, step_dedupe(jnp.asarray(j), jnp.asarray(valid)))
+    for row in range(3):
+        kept = j_out[row][valid_out[row]]
+        assert sorted(kept) == sorted(set(j[row][valid[row]]))
+        assert np.all(j_out[row][~valid_out[row]] == 0)
+
+
 def test_step_capacity():
     """Stepping past capacity: ValueError naming it when t is concrete, NaN under jit."""
     inputs = make_inputs(3)
