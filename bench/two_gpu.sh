@@ -66,6 +66,9 @@
 #                  32768), each 2-GPU step as compiled and with XLA's all-reduces joined only up to MIBS
 #                  MiB (default "4"; the in_proj and out_proj gradients, 10.3 and 4.7 MB, stay whole
 #                  and are not copied, the small ones are joined; mesh.combine_collectives=on)
+#        graphs    one GPU and data=2 (Mamba-2 130M, 8 x 2048 a GPU), each as run and with XLA's
+#                  collectives recorded into its CUDA graphs too (GRAPHS, default
+#                  "-CUSTOM_CALL,+COLLECTIVES": the step's idle gaps between graphs, eighteenth session)
 #        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch),
 #                  for CASE (default lm_mamba2_130m) on the 2-GPU mesh TWO (default "mesh.data=2
 #                  data.batch_size=16"; e.g. CASE=lm_mamba2_130m_32k TWO="mesh.data=1 mesh.seq=2")
@@ -78,7 +81,7 @@ set -uo pipefail
 phases="dp, dp_tp, dp_flags, dp_combine, seq, seq_profile, seq_memory, gather_seq, gather_dp, seq_p2p, seq_latency"
 phases+=", seq_ab, seq_hax_ab"
 phases+=", seq_hax, hax_64k, hax_64k_apart, hax_sched, pgle_seq"
-phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, threshold, procs"
+phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, threshold, graphs, procs"
 phase=${1:?phase: one of $phases}
 out=${2:?output directory}
 mkdir -p "$out"
@@ -383,6 +386,17 @@ threshold)
                 --set $two mesh.combine_collectives=on
         done
     done
+    ;;
+graphs)
+    # The data=2 step idles in many 5-7 us gaps (eighteenth session); XLA records fusions and
+    # GEMMs into CUDA graphs but not, by default, collectives, which split the graphs.
+    cb="--xla_gpu_enable_command_buffer=${GRAPHS:--CUSTOM_CALL,+COLLECTIVES}"
+    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps &
+    XLA_FLAGS=$cb gpu 1 run one_gpu_130m_graphs 130 $tp --cases lm_mamba2_130m $steps &
+    wait
+    run two_130m 150 $tp --cases lm_mamba2_130m $steps --collectives --set mesh.data=2 data.batch_size=16
+    XLA_FLAGS=$cb run two_130m_graphs 150 $tp --cases lm_mamba2_130m $steps --collectives \
+        --set mesh.data=2 data.batch_size=16
     ;;
 procs)
     # four windows each: the one-GPU baseline's two windows were 6% apart (eleventh session)
