@@ -26,9 +26,14 @@ def directory() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hax_jax"
 
 
-def key(name: str, params: dict, code: Path) -> str:
-    """A file name for the split made by `code` (its source bytes) from `params` (JSON-able)."""
-    digest = hashlib.blake2b(code.read_bytes(), digest_size=16)
+def key(name: str, params: dict, *code: Path) -> str:
+    """A file name for the split made by the files `code` (their source bytes, in order) from
+    `params` (JSON-able)."""
+    if not code:
+        raise ValueError("split_cache.key needs the source files that make the split")
+    digest = hashlib.blake2b(digest_size=16)
+    for path in code:
+        digest.update(path.read_bytes())
     digest.update(json.dumps(params, sort_keys=True).encode())
     return f"{name}-{digest.hexdigest()}"
 

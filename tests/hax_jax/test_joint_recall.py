@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hax_jax.data import joint_recall as jr
-from hax_jax.data import split_cache
+from hax_jax.data import pcg64, split_cache
 
 
 def test_layout_matches_a_hand_written_example():
@@ -210,6 +210,14 @@ def test_the_cache_key_covers_parameters_and_code(tmp_path):
     assert split_cache.key("split", {"seed": 2, "n": [2, 3]}, code) != first
     code.write_text("x = 2\n")
     assert split_cache.key("split", {"seed": 1, "n": [2, 3]}, code) != first
+    # Every file the split's draw runs counts: a change to a helper module redraws it too.
+    helper = tmp_path / "helper.py"
+    helper.write_text("y = 1\n")
+    both = split_cache.key("split", {"seed": 1}, code, helper)
+    helper.write_text("y = 2\n")
+    assert split_cache.key("split", {"seed": 1}, code, helper) != both
+    with pytest.raises(ValueError, match="source files"):
+        split_cache.key("split", {"seed": 1})
 
 
 def test_concurrent_processes_build_a_split_once(tmp_path):
@@ -382,7 +390,7 @@ def test_rows_are_the_examples_stacked(tmp_path, split, next_token, cached):
         src.rows([0, 30])
 
 
-def test_pcg64_words_are_numpys_own_streams():
+def test_pcg64_raw_words_are_numpys_own_streams():
     # The obvious twin: one np.random.PCG64 per seed (SeedSequence hashing, PCG64 seeding).
     rng = np.random.default_rng(11)
     seeds = rng.integers(0, 1 << 32, (40, 4)).tolist()
@@ -391,4 +399,4 @@ def test_pcg64_words_are_numpys_own_streams():
     seeds += [[1 << 32, 0, 0, 0], [1 << 64, 0, 0, 0], [1, 2, 3]]
     for group in (seeds[:-3], seeds[:3], *([s] for s in seeds[-3:])):
         want = np.stack([np.random.PCG64(s).random_raw(37) for s in group])
-        np.testing.assert_array_equal(jr.pcg64_words(group, 37), want)
+        np.testing.assert_array_equal(pcg64.raw_words(group, 37), want)
