@@ -125,6 +125,8 @@ def step_arrays(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
     valid_bs = jnp.concatenate([jnp.broadcast_to(p[1], (b, p[1].shape[-1])) for p in parts], -1)
     if len(spec.components) > 1:  # one component never selects a position twice
         j_bs, valid_bs = step_dedupe(j_bs, valid_bs)
+    else:  # empty slots (-1, or before position 0) read row 0, as `dedupe` leaves them
+        j_bs = jnp.where(valid_bs, j_bs, 0)
     k_bsn = gather_rows(keys, j_bs).astype(jnp.float32)
     v_bse = gather_rows(values, j_bs).astype(jnp.float32)
     o_be = softmax_attend(q_bn, k_bsn, v_bse, valid_bs)
