@@ -20,13 +20,12 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import timing
-from bench.decode_throughput import MODELS, ROOT, decode_program_text
+from bench.decode_throughput import MODELS, ROOT, decode_program_text, random_prompts
 from bench.hlo_liveness import ALIASES, INSTRUCTION
 from hax_jax.config import load_config_file
 from hax_jax.models.lm import LanguageModel
@@ -65,8 +64,7 @@ def decode_hlo(name: str, n_layer: int, batch: int, prompt: int) -> str:
     cfg = load_config_file(ROOT / MODELS[name]).model
     cfg = dataclasses.replace(cfg, dtype="bfloat16", n_layer=n_layer)
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (batch, prompt))
-    return decode_program_text(model, tokens)
+    return decode_program_text(model, random_prompts(model, batch, prompt))
 
 
 def main() -> None:

@@ -92,22 +92,25 @@ def decode_program_text(model, tokens) -> str:
     return compiled[-1]
 
 
-def ours(name: str, batch: int, prompt: int, new: int, repeats: int, params="bfloat16") -> dict:
-    """hax_jax.generate on a random model computing in bf16, its parameters in `params`."""
-    model = random_model(name, params)
-    tokens = np.random.default_rng(0).integers(1, model.cfg.vocab_size, (batch, prompt))
+def random_prompts(model, batch: int, prompt: int) -> np.ndarray:
+    """(batch, prompt) random token ids of the model's vocabulary (no pad id 0)."""
+    return np.random.default_rng(0).integers(1, model.cfg.vocab_size, (batch, prompt))
+
+
+def ours(name: str, model, tokens, new: int, repeats: int, params="bfloat16") -> dict:
+    """hax_jax.generate of `model` (random_model(name, params)) from the prompts `tokens`."""
     runs = {n: (lambda n=n: generate(model, tokens, n)) for n in (1, new)}
     for run in runs.values():
         run()  # compile
     prefill, whole = (best_time(runs[n], repeats) for n in (1, new))
+    batch, prompt = tokens.shape
     return {**rates("hax_jax", name, batch, prompt, new, prefill, whole), "params": params}
 
 
-def decode_profile(name, batch, prompt, new, params, top: int, hlo_dir: Path | None) -> dict:
+def decode_profile(name, model, tokens, new, top: int, hlo_dir: Path | None) -> dict:
     """Kernel time a decoded token costs (the whole call's less the prefill's, over new - 1 tokens),
     with the `top` costliest kernels; the decode program's HLO written to hlo_dir."""
-    model = random_model(name, params)
-    tokens = np.random.default_rng(0).integers(1, model.cfg.vocab_size, (batch, prompt))
+    batch = tokens.shape[0]
     if hlo_dir:
         (hlo_dir / f"{name}_b{batch}.hlo.txt").write_text(decode_program_text(model, tokens))
     prefill, whole = (
@@ -202,11 +205,14 @@ def main() -> None:
     results = []
     for batch in batches:
         for name in names:
-            results.append(ours(name, batch, args.prompt, args.new, args.repeats, args.params))
+            model = random_model(name, args.params)
+            tokens = random_prompts(model, batch, args.prompt)
+            results.append(ours(name, model, tokens, args.new, args.repeats, args.params))
             print(json.dumps(results[-1]), flush=True)
             if args.profile or args.hlo_dir:
-                shape = (name, batch, args.prompt, args.new, args.params)
-                print(json.dumps(decode_profile(*shape, args.profile, args.hlo_dir)), flush=True)
+                profile = decode_profile(name, model, tokens, args.new, args.profile, args.hlo_dir)
+                print(json.dumps(profile), flush=True)
+            del model  # a 2.7B model's weights freed before the next one's
         if args.peer:
             try:
                 results.append(peer(batch, args.prompt, args.new, args.repeats))
