@@ -172,10 +172,13 @@ def visible_gpus() -> list[str]:
 
 def run_env(slot: int, gpus: list[str], jobs: int) -> dict[str, str]:
     """The environment of a run in job slot `slot`: its GPU, and its share of the GPU's memory when
-    runs share one (JAX would otherwise take 75% of it for each)."""
+    runs share one (JAX would otherwise take 75% of it for each). A run pinned to a GPU it cannot
+    open fails: JAX would fall back to the CPU with a warning (and train there, 100x slower) unless
+    told its platform (under CUDA MPS, a run pinned to a GPU the daemon was not given did)."""
     env = dict(os.environ)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
+        env.setdefault("JAX_PLATFORMS", "cuda")
         per_gpu = -(-jobs // len(gpus))
         if per_gpu > 1:
             env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / per_gpu:.2f}")

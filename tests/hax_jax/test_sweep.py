@@ -229,13 +229,16 @@ def test_cli_prints_one_error_line():
 
 def test_runs_are_pinned_to_the_gpus_and_share_their_memory(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     gpus = sweep.visible_gpus()
     assert gpus == ["2", "3"]
     envs = [sweep.run_env(slot, gpus, jobs=4) for slot in range(4)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3", "2", "3"]
+    assert {e["JAX_PLATFORMS"] for e in envs} == {"cuda"}  # no silent fall back to the CPU
     assert {e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in envs} == {"0.45"}  # two runs a GPU
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in sweep.run_env(1, gpus, jobs=2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert sweep.visible_gpus() == []
     assert sweep.run_env(0, [], jobs=3)["CUDA_VISIBLE_DEVICES"] == ""
+    assert "JAX_PLATFORMS" not in sweep.run_env(0, [], jobs=3)
