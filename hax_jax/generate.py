@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hax_jax.layers.fused import join_projections
 from hax_jax.models.lm import LanguageModel
 
 
@@ -141,6 +142,7 @@ def _decode(
 ):
     """Steps from position `start` until every row has stopped or generated max_new_tokens."""
     model = nnx.merge(graphdef, state)
+    join_projections(model)  # once here, not at every token inside the loop
     m = max_new_tokens
     vocab = model.cfg.vocab_size
     loop = _first_loop(start, _mask_vocab(logits, vocab), m, pad_id, return_logits)

@@ -90,13 +90,37 @@ class FusedLinear(nnx.Module):
             rngs.params()  # nnx.Linear draws a key for its (zero) bias: keep the same key stream
             self.bias = _cut(jnp.zeros((total,), jnp.float32), parts, ())
         self.dtype = dtype
+        self.joined = nnx.data(None)  # (kernel, bias) in dtype once `join` ran
 
     def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
         """The parts' kernels and biases (None without bias), as dicts of arrays."""
         return part_arrays(self)
 
+    def join(self) -> None:
+        """Joins the parts' kernels and biases, in `dtype`, once for a loop of calls (decoding: a
+        copy the size of the kernel in `dtype` while it runs). Joined at each call instead, the
+        join stayed inside the decode loop on a GPU: 2.19 of the 5.23 ms of a Mamba-2 2.7B token
+        on an H200 (one matmul a part instead was 4.2x slower there)."""
+        order = [p.name for p in self.parts]
+        kernels, biases = self.arrays()
+        kernel = side_by_side(kernels, order, lead=1)[0].astype(self.dtype)
+        bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
+        self.joined = nnx.data((kernel, None if bias is None else bias.astype(self.dtype)))
+
     def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
-        return linear_parts(x, *self.arrays(), self.dtype, [p.name for p in self.parts])
+        order = [p.name for p in self.parts]
+        if self.joined is None:
+            return linear_parts(x, *self.arrays(), self.dtype, order)
+        kernel, bias = self.joined
+        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=1)
+        return apart(y if bias is None else y + bias, order, [p.shape for p in self.parts])
+
+
+def join_projections(model: nnx.Module) -> None:
+    """`FusedLinear.join` on every FusedLinear of `model` (before a decode loop)."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, FusedLinear):
+            node.join()
 
 
 def side_by_side(arrays: Mapping, order: Sequence[str], lead: int):
