@@ -189,8 +189,9 @@ class OptimConfig:
         0.01  # torch AdamW's default (the HAX trainer); never on A_log/D/dt_bias/norms/biases/E
     )
     clip_norm: float = 1.0  # global gradient-norm clip; 0 = off
-    # Parameters never updated, by name (e.g. (A_log,dt_bias)): where the HAX code's AdamW on bf16
-    # parameters leaves them (a step below half a bf16 spacing rounds back).
+    # Parameters never updated, by leaf name or dotted path suffix ((A_log,dt_bias) for Mamba-2,
+    # (A_log,dt_proj.bias) for Mamba): where the HAX code's AdamW on bf16 parameters leaves them
+    # (a step below half a bf16 spacing rounds back).
     frozen: tuple[str, ...] = ()
 
 

@@ -5,9 +5,9 @@ import optax
 
 from hax_jax.config import OptimConfig
 
-# Weight decay only on matrices: every `kernel` and the embedding. That leaves out A_log, D,
-# dt_bias, norm weights, biases, the HAX gate E and Infini's beta, as mamba_ssm's `_no_weight_decay`
-# does.
+# Weight decay only on matrices: every `kernel` (each part of one stored part by part,
+# layers/fused.py: path .../kernel/<part>) and the embedding. That leaves out A_log, D, dt_bias,
+# norm weights, biases, the HAX gate E and Infini's beta, as mamba_ssm's `_no_weight_decay` does.
 DECAYED_NAMES = ("kernel", "embedding")
 
 
@@ -27,16 +27,28 @@ def learning_rate(cfg: OptimConfig, num_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.constant_schedule(0.0), schedule], [cfg.hold_steps])
 
 
+def matches(path, name: str) -> bool:
+    """Whether a parameter's tree path ends in `name`: a leaf name (A_log) or the path's last
+    names joined by dots (dt_proj.bias: Mamba's dt bias, where a bare "bias" names every bias)."""
+    keys = tuple(str(getattr(p, "key", "")) for p in path)
+    parts = tuple(name.split("."))
+    return keys[-len(parts) :] == parts
+
+
 def named(params, names) -> dict:
-    """True for the parameters whose leaf name is one of `names`."""
+    """True for the parameters one of `names` matches (see `matches`)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) in names, params
+        lambda path, _: any(matches(path, n) for n in names), params
     )
 
 
 def decay_mask(params) -> dict:
-    """True for the parameters weight decay applies to (by leaf name)."""
-    return named(params, DECAYED_NAMES)
+    """True for the parameters weight decay applies to: a name of DECAYED_NAMES anywhere on the
+    path, so that a kernel's parts are decayed as the kernel is (matched by leaf name alone, from
+    793f502 to 2026-11-28 in_proj and Mamba-2's conv1d were not decayed)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(str(getattr(p, "key", "")) in DECAYED_NAMES for p in path), params
+    )
 
 
 def frozen_mask(names: tuple[str, ...]):
@@ -44,13 +56,11 @@ def frozen_mask(names: tuple[str, ...]):
     error, raised when the optimizer is initialised (before any step)."""
 
     def mask(params) -> dict:
-        marked = named(params, names)
-        leaves = jax.tree_util.tree_flatten_with_path(marked)[0]
-        found = {getattr(path[-1], "key", None) for path, hit in leaves if hit}
-        missing = [n for n in names if n not in found]
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        missing = [n for n in names if not any(matches(path, n) for path in paths)]
         if missing:
             raise ValueError(f"optim.frozen names {missing}, which no parameter is called")
-        return marked
+        return named(params, names)
 
     return mask
 

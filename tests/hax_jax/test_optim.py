@@ -7,9 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from hax_jax import optim
-from hax_jax.config import Config, OptimConfig, apply_overrides
+from hax_jax.config import (
+    Config,
+    Mamba2Config,
+    MambaConfig,
+    ModelConfig,
+    OptimConfig,
+    apply_overrides,
+)
+from hax_jax.models.lm import LanguageModel
 
 PARAMS = {
     "mixer": {
@@ -68,3 +77,43 @@ def test_without_frozen_names_the_state_is_unchanged(clip_norm):
     before = optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
     now = optim.make_optimizer(cfg, num_steps=10)
     assert jax.tree.structure(now.init(PARAMS)) == jax.tree.structure(before.init(PARAMS))
+
+
+def test_a_dotted_frozen_name_matches_the_paths_end_only():
+    """dt_proj.bias freezes Mamba's dt bias, no other bias (a bare "bias" names them all)."""
+    params = {
+        "mixer": {
+            "dt_proj": {"bias": jnp.full((8,), -4.0), "kernel": jnp.ones((2, 8))},
+            "conv1d": {"bias": jnp.zeros((8,)), "kernel": jnp.ones((4, 8))},
+        }
+    }
+    mask = optim.frozen_mask(("dt_proj.bias",))(params)
+    assert mask == {
+        "mixer": {
+            "dt_proj": {"bias": True, "kernel": False},
+            "conv1d": {"bias": False, "kernel": False},
+        }
+    }
+    with pytest.raises(ValueError, match=r"\['conv1d.weight'\]"):
+        optim.frozen_mask(("dt_proj.bias", "conv1d.weight"))(params)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_weight_decay_applies_to_every_kernel_and_part_and_the_embedding(kind):
+    """Per SPEC §5: decay on every matrix, the parts of a kernel stored part by part
+    (layers/fused.py) included; none on A_log, D, dt_bias, norms, biases."""
+    cfg = ModelConfig(
+        d_model=16,
+        n_layer=1,
+        vocab_size=32,
+        block_pattern=(kind,),
+        mamba=MambaConfig(d_state=4),
+        mamba2=Mamba2Config(d_state=4, headdim=8),
+    )
+    params = nnx.to_pure_dict(nnx.state(LanguageModel(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    paths = jax.tree_util.tree_flatten_with_path(optim.decay_mask(params))[0]
+    decayed = {"/".join(str(getattr(k, "key", k)) for k in path): hit for path, hit in paths}
+    for name, hit in decayed.items():
+        leaf_is_kernel = "/kernel" in name or name.startswith("embedding")
+        assert hit == leaf_is_kernel, name
+    assert any(hit and "/in_proj/kernel/" in name for name, hit in decayed.items())
