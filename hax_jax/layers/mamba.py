@@ -180,7 +180,8 @@ class MambaMixer(nnx.Module):
 
     def step(self, u: jax.Array, cache: MambaCache) -> tuple[jax.Array, MambaCache]:
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
-        x, z = (self.in_proj(u)[k] for k in ("x", "z"))
+        proj = self.in_proj(u)
+        x, z = proj["x"], proj["z"]
         x, conv_state = self.conv1d.step(x, cache.conv)
         x = jax.nn.silu(x)
         dt, B, C = self._dt_B_C(x)
