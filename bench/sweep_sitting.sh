@@ -33,8 +33,8 @@ if [[ ${MPS:-0} == 1 ]]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/hax_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/hax_mps_log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     # The daemon sees every GPU: given CUDA_VISIBLE_DEVICES=1,2,3 it numbers them 0,1,2 for its
-    # clients, so a run the sweep pinned to GPU 3 found none (and, then unpinned, JAX fell back to
-    # the CPU: 5 of 16 runs, twenty-seventh session) and GPU 1 ran nothing.
+    # clients, so the runs the sweep pinned to GPU 3 found no GPU and JAX trained them on the CPU
+    # (5 of 16, twenty-seventh session), and none went to GPU 1.
     if ! env -u CUDA_VISIBLE_DEVICES nvidia-cuda-mps-control -d; then
         echo "error: MPS=1 but nvidia-cuda-mps-control -d failed" >&2
         exit 1

@@ -52,7 +52,7 @@ def decay_mask(params) -> dict:
 
 
 def frozen_mask(names: tuple[str, ...]):
-    """The mask of the parameters named `names` (by leaf name); a name no parameter has is an
+    """The mask of the parameters `names` match (see `matches`); a name that matches none is an
     error, raised when the optimizer is initialised (before any step)."""
 
     def mask(params) -> dict:

@@ -173,8 +173,9 @@ def visible_gpus() -> list[str]:
 def run_env(slot: int, gpus: list[str], jobs: int) -> dict[str, str]:
     """The environment of a run in job slot `slot`: its GPU, and its share of the GPU's memory when
     runs share one (JAX would otherwise take 75% of it for each). A run pinned to a GPU it cannot
-    open fails: JAX would fall back to the CPU with a warning (and train there, 100x slower) unless
-    told its platform (under CUDA MPS, a run pinned to a GPU the daemon was not given did)."""
+    open fails instead of training on the CPU, where JAX falls back with a warning unless told its
+    platform (under CUDA MPS, runs pinned to a GPU the daemon was not given did); a JAX_PLATFORMS
+    already set is kept."""
     env = dict(os.environ)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
