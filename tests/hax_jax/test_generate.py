@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jaxprs import equations, sub_jaxprs
 from mixer_testing import perturbed
 
 from hax_jax.config import (
@@ -102,14 +103,10 @@ def test_in_proj_is_joined_once_before_the_decode_loop(name, monkeypatch):
 
 
 def _concatenated(eqn):
-    """The shapes `eqn` concatenates, itself or in the jaxprs nested in its parameters."""
-    if eqn.primitive.name == "concatenate":
-        yield tuple(eqn.outvars[0].aval.shape)
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, tuple | list) else (value,):
-            inner = getattr(sub, "jaxpr", sub)
-            for e in getattr(inner, "eqns", ()):
-                yield from _concatenated(e)
+    """The shapes `eqn` concatenates, itself or in the jaxprs nested in it."""
+    for e in (eqn, *(e for sub in sub_jaxprs(eqn) for e in equations(sub))):
+        if e.primitive.name == "concatenate":
+            yield tuple(e.outvars[0].aval.shape)
 
 
 def test_padding_side_and_batching_do_not_change_a_row():

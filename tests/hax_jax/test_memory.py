@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxprs import primitives, sub_jaxprs
 
 import hax_jax.layers.mamba
 import hax_jax.loss
@@ -111,24 +112,8 @@ def _avals(jaxpr):
     yield from (v.aval for v in jaxpr.invars)
     for eqn in jaxpr.eqns:
         yield from (v.aval for v in eqn.outvars)
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             yield from _avals(sub)
-
-
-def _primitives(jaxpr):
-    """Every equation's primitive name, sub-jaxprs included."""
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        yield eqn.primitive.name
-        for sub in _sub_jaxprs(eqn):
-            yield from _primitives(sub)
-
-
-def _sub_jaxprs(eqn):
-    """The jaxprs an equation carries in its params (cond's branches come as a tuple)."""
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
-                yield item
 
 
 # The name jax gives jax.checkpoint's primitive in this version ("remat2" in jax 0.10).
@@ -162,7 +147,7 @@ def test_remat_is_in_the_gradient_only_when_on(monkeypatch):
 
     def count(cfg):
         """Remat regions in the gradient's jaxpr."""
-        return list(_primitives(_grad_jaxpr(cfg, batch))).count(REMAT)
+        return list(primitives(_grad_jaxpr(cfg, batch))).count(REMAT)
 
     assert count(CFG) == 0
     assert count(dataclasses.replace(CFG, remat="block")) >= CFG.n_layer
@@ -181,7 +166,7 @@ def test_remat_keeps_the_sparse_selection():
 
     def count(cfg):
         """Sorts and top-ks in the gradient's jaxpr."""
-        names = list(_primitives(_grad_jaxpr(cfg, batch)))
+        names = list(primitives(_grad_jaxpr(cfg, batch)))
         return names.count("sort"), names.count("top_k")
 
     plain = count(pallas)
@@ -235,7 +220,7 @@ def test_recomputed_scan_states_give_the_same_loss_and_gradients():
 
     def kernels(cfg):
         """Pallas kernels in the gradient's jaxpr."""
-        return list(_primitives(_grad_jaxpr(cfg, batch))).count("pallas_call")
+        return list(primitives(_grad_jaxpr(cfg, batch))).count("pallas_call")
 
     assert kernels(_mamba("saved")) == 2 * MAMBA.n_layer
     assert kernels(_mamba("recomputed")) == 3 * MAMBA.n_layer
@@ -264,11 +249,11 @@ def test_auto_recomputes_scan_states_past_a_share_of_the_memory(
     limit = {None: None, "small": held / SCAN_STATES_SHARE - 1, "large": held / SCAN_STATES_SHARE}
     monkeypatch.setattr(hax_jax.layers.mamba, "device_memory_bytes", lambda: limit[memory])
     monkeypatch.setattr(hax_jax.model_config, "REMAT_MIN_LEN", L)
-    kernels = list(_primitives(_grad_jaxpr(_mamba("auto", remat), _batch())))
+    kernels = list(primitives(_grad_jaxpr(_mamba("auto", remat), _batch())))
     if remat == "none":
         assert kernels.count("pallas_call") == (3 if recompute else 2) * MAMBA.n_layer
     else:  # each block's forward runs again in the backward, its states saved then
-        block = list(_primitives(_grad_jaxpr(_mamba("saved", remat), _batch())))
+        block = list(primitives(_grad_jaxpr(_mamba("saved", remat), _batch())))
         assert kernels.count("pallas_call") == block.count("pallas_call")
 
 

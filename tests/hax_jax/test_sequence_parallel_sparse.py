@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from hax_jax.config import MeshConfig
 from pallas_kernels.sparse_attention.carry import take_rows
-from tests.hax_jax.test_memory import _primitives
 from tests.hax_jax.test_sequence_parallel import MESHES, _cfg, _check_split_equals_one_device
 from tests.support.collectives import sharded_step
+from tests.support.jaxprs import primitives
 
 PATTERNS = ("sw", "sink", "dilated", "lsh", "ks", "full", "sw+sink", "sw+dilated", "lsh+ks")
 MESH_IDS = list(MESHES)
@@ -71,7 +71,7 @@ def test_remat_recomputes_no_selection_on_a_split_sequence():
             cfg, MeshConfig(data=1, seq=2, tensor=1), 2, 64, P(None, "seq")
         )
         with jax.set_mesh(mesh):
-            names = list(_primitives(step.trace(params, tokens).jaxpr))
+            names = list(primitives(step.trace(params, tokens).jaxpr))
         return names.count("sort"), names.count("top_k")
 
     plain = count("none")

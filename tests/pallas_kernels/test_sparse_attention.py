@@ -2,10 +2,10 @@
 test_sparse_decode.py)."""
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxprs import sub_jaxprs
 from sparse_cases import (
     B_,
     CASE_IDS,
@@ -159,17 +159,6 @@ def test_bf16_inputs(pattern):
 # ---- cost: no (l, l) array anywhere in the forward + backward program ----------------------
 
 
-def _sub_jaxprs(value):
-    """Jaxprs inside an equation parameter (ClosedJaxpr, Jaxpr, or tuples / lists of them)."""
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _sub_jaxprs(item)
-
-
 def big_shapes(jaxpr, threshold):
     """Shapes of every variable, in jaxpr and all sub-jaxprs (scan, while, cond, pjit,
     custom_vjp, checkpoint, ...), with at least two axes >= threshold."""
@@ -188,9 +177,8 @@ def big_shapes(jaxpr, threshold):
         for eqn in jx.eqns:
             for var in (*eqn.invars, *eqn.outvars):
                 visit(var)
-            for param in eqn.params.values():
-                for sub in _sub_jaxprs(param):
-                    walk(sub)
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
 
     walk(jaxpr.jaxpr)
     return found

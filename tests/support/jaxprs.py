@@ -1,0 +1,25 @@
+"""Walking a jaxpr and the jaxprs nested in its equations (scan, while, cond, pjit, custom_vjp,
+checkpoint, ...), for tests that read what a program computes."""
+
+
+def sub_jaxprs(eqn):
+    """The jaxprs an equation carries in its params (cond's branches come as a tuple), each as a
+    Jaxpr (a ClosedJaxpr's unwrapped)."""
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` (a Jaxpr or ClosedJaxpr) and of the jaxprs nested in it."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from equations(sub)
+
+
+def primitives(jaxpr):
+    """Every equation's primitive name, nested jaxprs included."""
+    return (eqn.primitive.name for eqn in equations(jaxpr))
