@@ -27,12 +27,16 @@ def learning_rate(cfg: OptimConfig, num_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.constant_schedule(0.0), schedule], [cfg.hold_steps])
 
 
+def _keys(path) -> tuple[str, ...]:
+    """A parameter's tree path as its keys' names."""
+    return tuple(str(getattr(p, "key", "")) for p in path)
+
+
 def matches(path, name: str) -> bool:
     """Whether a parameter's tree path ends in `name`: a leaf name (A_log) or the path's last
     names joined by dots (dt_proj.bias: Mamba's dt bias, where a bare "bias" names every bias)."""
-    keys = tuple(str(getattr(p, "key", "")) for p in path)
     parts = tuple(name.split("."))
-    return keys[-len(parts) :] == parts
+    return _keys(path)[-len(parts) :] == parts
 
 
 def named(params, names) -> dict:
@@ -47,7 +51,7 @@ def decay_mask(params) -> dict:
     path, so that a kernel's parts are decayed as the kernel is (matched by leaf name alone, from
     793f502 to 2026-11-28 in_proj and Mamba-2's conv1d were not decayed)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: any(str(getattr(p, "key", "")) in DECAYED_NAMES for p in path), params
+        lambda path, _: any(k in DECAYED_NAMES for k in _keys(path)), params
     )
 
 

@@ -102,18 +102,14 @@ class FusedLinear(nnx.Module):
         join stayed inside the decode loop on a GPU: 2.19 of the 5.23 ms of a Mamba-2 2.7B token
         on an H200 (one matmul a part instead was 4.2x slower there)."""
         order = [p.name for p in self.parts]
-        kernels, biases = self.arrays()
-        kernel = side_by_side(kernels, order, lead=1)[0].astype(self.dtype)
-        bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
-        self.joined = nnx.data((kernel, None if bias is None else bias.astype(self.dtype)))
+        self.joined = nnx.data(joined_kernel(*self.arrays(), self.dtype, order)[:2])
 
     def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
         order = [p.name for p in self.parts]
         if self.joined is None:
             return linear_parts(x, *self.arrays(), self.dtype, order)
-        kernel, bias = self.joined
-        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=1)
-        return apart(y if bias is None else y + bias, order, [p.shape for p in self.parts])
+        y = joined_matmul(x, *self.joined, self.dtype)
+        return apart(y, order, [p.shape for p in self.parts])
 
 
 def join_projections(model: nnx.Module) -> None:
@@ -142,16 +138,27 @@ def apart(joined: jax.Array, order: Sequence[str], shapes) -> dict[str, jax.Arra
     return out
 
 
+def joined_kernel(kernels: Mapping, biases: Mapping | None, dtype, order):
+    """(the kernels (in, *shape) joined in `order` as (in, total), the biases as (total,) or None,
+    both in `dtype`; the parts' shapes)."""
+    kernel, shapes = side_by_side(kernels, order, lead=1)
+    bias = None if biases is None else side_by_side(biases, order, lead=0)[0].astype(dtype)
+    return kernel.astype(dtype), bias, shapes
+
+
+def joined_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+    """x (..., in) @ kernel (in, total) + bias, nnx.Linear's arithmetic: the input in `dtype`."""
+    y = jnp.tensordot(x.astype(dtype), kernel, axes=1)
+    return y if bias is None else y + bias
+
+
 def fused_linear(x: jax.Array, kernels: Mapping, biases: Mapping | None, dtype, order):
     """x (..., in) -> (the parts' outputs side by side (..., total), their shapes): the kernels
     (in, *shape) joined in `order`, one matmul, as the fused layer's (one GEMM per part made a
     Mamba-2 training step 14% slower on an H100). nnx.Linear's arithmetic: inputs and parameters
     in `dtype`."""
-    kernel, shapes = side_by_side(kernels, order, lead=1)
-    y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=1)
-    if biases is not None:
-        y = y + side_by_side(biases, order, lead=0)[0].astype(dtype)
-    return y, shapes
+    kernel, bias, shapes = joined_kernel(kernels, biases, dtype, order)
+    return joined_matmul(x, kernel, bias, dtype), shapes
 
 
 def linear_parts(x, kernels: Mapping, biases: Mapping | None, dtype, order) -> dict:
