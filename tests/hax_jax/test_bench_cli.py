@@ -1,7 +1,8 @@
-"""The step, decode, GEMV-layout, longest-row and sparse-attention benches refuse bad arguments
-with one error line naming the value, before they compile anything (an unknown case or model was a
-KeyError traceback, an unwritable --hlo-dir failed only after the first compile, longest_sequence.py
-reported an unknown case as "did not fit", a zero length or a bad block was a traceback)."""
+"""The step, decode, GEMV-layout, sparse-components, longest-row and sparse-attention benches
+refuse bad arguments with one error line naming the value, before they compile anything (an unknown
+case or model was a KeyError traceback, an unwritable --hlo-dir failed only after the first
+compile, longest_sequence.py reported an unknown case as "did not fit", a zero length or a bad
+block was a traceback)."""
 
 import os
 import subprocess
@@ -27,6 +28,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("decode_throughput.py", ["--hlo-dir", "{file}/hlo"], "--hlo-dir {file}/hlo"),
         ("decode_gemv_layout.py", ["--layers", "0"], "--layers must be at least 1, got 0"),
         ("decode_gemv_layout.py", ["--d-inner", "4096"], "--d-inner 4096 is wider than --in-proj"),
+        ("sparse_components.py", ["{file}/run"], "{file}/run"),
+        ("sparse_components.py", ["run", "--rows", "0"], "--rows must be at least 1, got 0"),
         ("longest_sequence.py", ["--case", "lm_nope"], "unknown --case lm_nope"),
         ("sparse_attention_scaling.py", ["--lengths", "0"], "--lengths must be at least 1, got 0"),
         ("sparse_attention_scaling.py", ["--max-len", "-1"], "--max-len must be at least 0"),
@@ -49,6 +52,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         "decode-hlo-dir-under-a-file",
         "gemv-layers-0",
         "gemv-inner-wider-than-in-proj",
+        "components-no-workdir",
+        "components-rows-0",
         "longest-unknown-case",
         "scaling-length-0",
         "scaling-max-len-negative",
