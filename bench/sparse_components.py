@@ -27,6 +27,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import timing
 from hax_jax import checkpoint, training
 from hax_jax.data import pipeline
 from hax_jax.layers import hax_attention
@@ -115,9 +116,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=256, help="test examples for accuracy")
     parser.add_argument("--rows", type=int, default=8, help="test rows for the selection stats")
     args = parser.parse_args()
-    for name in ("examples", "rows"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    timing.check_sizes(parser, args)
     try:
         model, cfg, _ = checkpoint.load_for_eval(args.workdir)
     except (FileNotFoundError, ValueError) as e:
