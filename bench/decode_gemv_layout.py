@@ -1,7 +1,7 @@
 """A decode token's one-row matmuls by kernel layout: `--layers` layers, each an in_proj and an
 out_proj GEMV (bf16, batch 1, Mamba-2 130M's shapes by default), a token a step of a fori_loop, the
-kernels stored (in, out) as nnx.Linear keeps them or (out, in), with the layers unrolled (as
-LanguageModel.step) or scanned.
+kernels stored (in, out) as nnx.Linear keeps them or (out, in) as generate's decode copies
+(hax_jax.layers.linear), with the layers unrolled (as LanguageModel.step) or scanned.
 
     python bench/decode_gemv_layout.py [--layers 24] [--d-model 768] [--in-proj 3352]
         [--d-inner 1536] [--tokens 256]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hax_jax.layers.fused import join_projections
+from hax_jax.layers.fused import decode_copies, use_decode_copies
 from hax_jax.models.lm import LanguageModel
 
 
@@ -121,12 +121,19 @@ def _prefill(graphdef, state, prefix, *, capacity):
     return logits[:, -1], cache
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _decode_copies(graphdef, state):
+    """The kernels as the decode loop reads them (`decode_copies`), in a program of their own."""
+    return decode_copies(nnx.merge(graphdef, state))
+
+
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "return_logits", "pad_id")
 )
 def _decode(
     graphdef,
     state,
+    copies,
     cache,
     logits,
     prompts,
@@ -142,7 +149,7 @@ def _decode(
 ):
     """Steps from position `start` until every row has stopped or generated max_new_tokens."""
     model = nnx.merge(graphdef, state)
-    join_projections(model)  # once here, not at every token inside the loop
+    use_decode_copies(model, copies)
     m = max_new_tokens
     vocab = model.cfg.vocab_size
     loop = _first_loop(start, _mask_vocab(logits, vocab), m, pad_id, return_logits)
@@ -198,6 +205,7 @@ def generate(
     out, count, out_logits = _decode(
         graphdef,
         state,
+        _decode_copies(graphdef, state),
         cache,
         last,
         jnp.asarray(prompts),

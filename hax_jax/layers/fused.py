@@ -22,6 +22,7 @@ from flax import nnx
 
 from hax_jax.layers.conv import conv_shard
 from hax_jax.layers.init import torch_linear_init
+from hax_jax.layers.linear import Linear, rows_first, rows_matmul
 from hax_jax.parallel import per_device
 
 
@@ -90,33 +91,43 @@ class FusedLinear(nnx.Module):
             rngs.params()  # nnx.Linear draws a key for its (zero) bias: keep the same key stream
             self.bias = _cut(jnp.zeros((total,), jnp.float32), parts, ())
         self.dtype = dtype
-        self.joined = nnx.data(None)  # (kernel, bias) in dtype once `join` ran
+        self.decoding = nnx.data(None)  # `decode_copy()` once generate gave it one
 
     def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
         """The parts' kernels and biases (None without bias), as dicts of arrays."""
         return part_arrays(self)
 
-    def join(self) -> None:
-        """Joins the parts' kernels and biases, in `dtype`, once for a loop of calls (decoding: a
-        copy the size of the kernel in `dtype` while it runs). Joined at each call instead, the
-        join stayed inside the decode loop on a GPU: 2.19 of the 5.23 ms of a Mamba-2 2.7B token
-        on an H200 (one matmul a part instead was 4.2x slower there)."""
+    def decode_copy(self) -> tuple[jax.Array, jax.Array | None]:
+        """(the parts' kernels joined (in, total) and stored rows first (total, in), the biases
+        joined), in `dtype`: what the decode loop reads (hax_jax.layers.linear says why). Joined at
+        each call instead, the join stayed inside the decode loop on a GPU: 2.19 of the 5.23 ms of
+        a Mamba-2 2.7B token on an H200 (one matmul a part instead was 4.2x slower there)."""
         order = [p.name for p in self.parts]
-        self.joined = nnx.data(joined_kernel(*self.arrays(), self.dtype, order)[:2])
+        kernel, bias, _ = joined_kernel(*self.arrays(), self.dtype, order)
+        return rows_first(kernel), bias
 
     def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
         order = [p.name for p in self.parts]
-        if self.joined is None:
+        if self.decoding is None:
             return linear_parts(x, *self.arrays(), self.dtype, order)
-        y = joined_matmul(x, *self.joined, self.dtype)
+        y = rows_matmul(x.astype(self.dtype), *self.decoding)
         return apart(y, order, [p.shape for p in self.parts])
 
 
-def join_projections(model: nnx.Module) -> None:
-    """`FusedLinear.join` on every FusedLinear of `model` (before a decode loop)."""
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, FusedLinear):
-            node.join()
+def decode_copies(model: nnx.Module) -> dict[str, tuple]:
+    """Every Linear's and FusedLinear's `decode_copy`, by the module's path in `model`."""
+    return {
+        "/".join(map(str, path)): node.decode_copy()
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, Linear | FusedLinear)
+    }
+
+
+def use_decode_copies(model: nnx.Module, copies: dict[str, tuple]) -> None:
+    """Gives each Linear and FusedLinear of `model` its copy from `decode_copies`."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear | FusedLinear):
+            node.decoding = nnx.data(copies["/".join(map(str, path))])
 
 
 def side_by_side(arrays: Mapping, order: Sequence[str], lead: int):
@@ -146,19 +157,14 @@ def joined_kernel(kernels: Mapping, biases: Mapping | None, dtype, order):
     return kernel.astype(dtype), bias, shapes
 
 
-def joined_matmul(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
-    """x (..., in) @ kernel (in, total) + bias, nnx.Linear's arithmetic: the input in `dtype`."""
-    y = jnp.tensordot(x.astype(dtype), kernel, axes=1)
-    return y if bias is None else y + bias
-
-
 def fused_linear(x: jax.Array, kernels: Mapping, biases: Mapping | None, dtype, order):
     """x (..., in) -> (the parts' outputs side by side (..., total), their shapes): the kernels
     (in, *shape) joined in `order`, one matmul, as the fused layer's (one GEMM per part made a
     Mamba-2 training step 14% slower on an H100). nnx.Linear's arithmetic: inputs and parameters
     in `dtype`."""
     kernel, bias, shapes = joined_kernel(kernels, biases, dtype, order)
-    return joined_matmul(x, kernel, bias, dtype), shapes
+    y = jnp.tensordot(x.astype(dtype), kernel, axes=1)
+    return (y if bias is None else y + bias), shapes
 
 
 def linear_parts(x, kernels: Mapping, biases: Mapping | None, dtype, order) -> dict:

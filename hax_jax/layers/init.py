@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hax_jax.layers.linear import Linear
 from hax_jax.sharding import linear_axes
 
 
@@ -44,11 +45,12 @@ def linear(
     use_bias: bool = False,
     scale: float = 1.0,
     **kwargs,
-) -> nnx.Linear:
-    """nnx.Linear with the kernel (in, out) and bias (out,) on the logical `axes` and PyTorch's
-    init scaled by `scale` (unless kwargs give a kernel_init); dtype: of the computation."""
+) -> Linear:
+    """Linear (an nnx.Linear) with the kernel (in, out) and bias (out,) on the logical `axes` and
+    PyTorch's init scaled by `scale` (unless kwargs give a kernel_init); dtype: of the
+    computation."""
     kwargs.setdefault("kernel_init", torch_linear_init(in_features, scale))
-    return nnx.Linear(
+    return Linear(
         in_features,
         out_features,
         use_bias=use_bias,

@@ -20,6 +20,7 @@ from hax_jax.config import (
 )
 from hax_jax.generate import Sampling, generate, generate_reference, sample
 from hax_jax.layers.fused import FusedLinear
+from hax_jax.layers.linear import Linear
 from hax_jax.models.lm import LanguageModel
 
 # The module: the package's hax_jax.generate is the function.
@@ -77,9 +78,11 @@ def test_cached_decode_equals_full_forward(name):
 
 
 @pytest.mark.parametrize("name", ["mamba", "hax-mamba2"])
-def test_in_proj_is_joined_once_before_the_decode_loop(name, monkeypatch):
-    """The decode loop reads each in_proj's parts joined before it, not joined again each token
-    (on a GPU, XLA left such a join inside the loop: 42% of a 2.7B token)."""
+def test_the_decode_loop_reads_kernels_copied_rows_first_before_it(name, monkeypatch):
+    """The decode loop's matmuls read each Linear's kernel, and each in_proj's parts joined, from
+    copies stored (out, in) made before the loop: not (in, out), read column by column (on an H200,
+    XLA made those one-row matmuls a multiply and a column reduction), and not joined again each
+    token (on a GPU, XLA left such a join inside the loop: 42% of a 2.7B token)."""
     model = _model(name)
     traced, decode = [], generation._decode
 
@@ -89,24 +92,30 @@ def test_in_proj_is_joined_once_before_the_decode_loop(name, monkeypatch):
 
     monkeypatch.setattr(generation, "_decode", tracing)
     generate(model, _batch()[0], 3)
-    joined = {
-        (module.kernel[module.parts[0].name].shape[0], sum(p.size for p in module.parts))
-        for _, module in nnx.iter_graph(model)
-        if isinstance(module, FusedLinear)
+    kernels = {  # (in, out) of every kernel the step multiplies by
+        *(m.kernel[...].shape for _, m in nnx.iter_graph(model) if isinstance(m, Linear)),
+        *(
+            (m.kernel[m.parts[0].name].shape[0], sum(p.size for p in m.parts))
+            for _, m in nnx.iter_graph(model)
+            if isinstance(m, FusedLinear)
+        ),
     }
     (loop,) = [e for e in traced[-1].eqns if e.primitive.name == "while"]
-    before = {shape for e in traced[-1].eqns if e is not loop for shape in _concatenated(e)}
-    inside = set(_concatenated(loop))
-    assert len(joined) == 1 and joined <= before
-    assert not joined & inside
-    assert inside, "the loop joins nothing at all: the search found no concatenate in it"
-
-
-def _concatenated(eqn):
-    """The shapes `eqn` concatenates, itself or in the jaxprs nested in it."""
-    for e in (eqn, *(e for sub in sub_jaxprs(eqn) for e in equations(sub))):
-        if e.primitive.name == "concatenate":
-            yield tuple(e.outvars[0].aval.shape)
+    inside = [e for sub in sub_jaxprs(loop) for e in equations(sub)]
+    read = {}  # (rhs shape, rhs contracting dims) of the loop's matmuls by a 2-D operand
+    for e in inside:
+        if e.primitive.name == "dot_general" and e.invars[1].aval.ndim == 2:
+            shape = tuple(e.invars[1].aval.shape)
+            read.setdefault(shape, set()).add(e.params["dimension_numbers"][0][1])
+    assert len(kernels) >= 3
+    for n_in, n_out in kernels:
+        assert (1,) in read.get((n_out, n_in), set()), (n_in, n_out, read)
+        assert (0,) not in read.get((n_in, n_out), set()), (n_in, n_out, read)
+    concatenated = {
+        tuple(e.outvars[0].aval.shape) for e in inside if e.primitive.name == "concatenate"
+    }
+    assert concatenated, "the loop joins nothing at all: the search found no concatenate in it"
+    assert not concatenated & (kernels | {(n_out, n_in) for n_in, n_out in kernels})
 
 
 def test_padding_side_and_batching_do_not_change_a_row():
