@@ -2,8 +2,9 @@
 
 A one-row matmul (decoding at batch 1) over a kernel stored (in, out) reads it column by column.
 XLA on an H200 made it a multiply and a column reduction (Mamba-2 130M's in_proj and out_proj: 320
-of the 714 us of a token's kernels); 24 layers' two GEMVs took 344 us a token so against 132 us
-with the kernels stored (out, in) (`python bench/decode_gemv_layout.py`). So before its loop,
+of the 714 us of a token's kernels); 24 layers' two GEMVs took 342 us a token so against 131 us
+with the kernels stored (out, in) (`python bench/decode_gemv_layout.py`, one H200), and generate
+decoded Mamba-2 130M 1.35x faster at batch 1 (BENCHMARKS.md). So before its loop,
 `generate` makes each kernel's copy rows first (`decode_copy`), in a program of its own: an
 argument's layout is fixed, where a copy made inside the decode program could be laid back out by
 XLA. Training never makes one.
