@@ -194,6 +194,24 @@ class OptimConfig:
     # (a step below half a bf16 spacing rounds back).
     frozen: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        # A negative rate or decay trains (the wrong way) without a sign; refuse it up front.
+        checks = [
+            ("peak_lr", self.peak_lr > 0, "> 0"),
+            ("hold_steps", self.hold_steps >= 0, ">= 0"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("b1", 0 <= self.b1 < 1, "in [0, 1)"),
+            ("b2", 0 <= self.b2 < 1, "in [0, 1)"),
+            ("eps", self.eps > 0, "> 0"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("clip_norm", self.clip_norm >= 0, ">= 0 (0 = off)"),
+        ]
+        if self.schedule == "warmup_cosine":
+            checks.append(("end_lr", 0 <= self.end_lr <= self.peak_lr, "in [0, optim.peak_lr]"))
+        for name, ok, bound in checks:
+            if not ok:
+                raise ValueError(f"optim.{name} must be {bound}, got {getattr(self, name)}")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:

@@ -91,11 +91,32 @@ def test_overrides_parse_to_field_types():
             "model.block_pattern=mamba,mamba2,mamba,mamba2,mamba",
             r"n_layer=24 must be a multiple of len\(model.block_pattern\)=5",
         ),
+        ("optim.peak_lr=-0.001", r"optim.peak_lr must be > 0, got -0.001"),
+        ("optim.peak_lr=0", r"optim.peak_lr must be > 0, got 0"),
+        ("optim.warmup_steps=-1", r"optim.warmup_steps must be >= 0, got -1"),
+        ("optim.hold_steps=-2", r"optim.hold_steps must be >= 0, got -2"),
+        ("optim.b1=1.0", r"optim.b1 must be in \[0, 1\), got 1.0"),
+        ("optim.b2=-0.5", r"optim.b2 must be in \[0, 1\), got -0.5"),
+        ("optim.eps=0", r"optim.eps must be > 0, got 0"),
+        ("optim.weight_decay=-0.1", r"optim.weight_decay must be >= 0, got -0.1"),
+        ("optim.clip_norm=-1", r"optim.clip_norm must be >= 0 \(0 = off\), got -1"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         config_lib.apply_overrides(Config(), [override])
+
+
+def test_a_cosine_schedule_ends_between_zero_and_its_peak():
+    cosine = ["optim.schedule=warmup_cosine", "optim.peak_lr=0.001"]
+    for end in ("-0.0001", "0.002"):
+        with pytest.raises(
+            ValueError, match=rf"optim.end_lr must be in \[0, optim.peak_lr\], got {end}"
+        ):
+            config_lib.apply_overrides(Config(), [*cosine, f"optim.end_lr={end}"])
+    assert config_lib.apply_overrides(Config(), [*cosine, "optim.end_lr=0"]).optim.end_lr == 0
+    # A constant schedule never reads end_lr.
+    assert config_lib.apply_overrides(Config(), ["optim.end_lr=5"]).optim.end_lr == 5
 
 
 def test_json_round_trip(tmp_path):
