@@ -175,9 +175,9 @@ def _check_lm_eval_tasks(args: argparse.Namespace) -> None:
     names = [t.partition(":")[2] for t in args.tasks if t.startswith("lm_eval:")]
     if not names:
         return
-    from lm_eval.tasks import TaskManager
+    from hax_jax.evals.lm_eval_adapter import task_manager
 
-    known = set(TaskManager(include_path=args.lm_eval_include or None).all_tasks)
+    known = set(task_manager(args.lm_eval_include).all_tasks)
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ValueError(f"lm_eval has no task {unknown[0]!r} (lm_eval --tasks list shows them)")
@@ -193,14 +193,13 @@ def _needs_text(task: str, args: argparse.Namespace) -> bool:
 def lm_eval_task(name: str, model, tokenizer, args: argparse.Namespace) -> dict:
     """One lm-evaluation-harness task through the adapter; its metrics as lm_eval reports them."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from hax_jax.evals.lm_eval_adapter import HaxJaxLM
+    from hax_jax.evals.lm_eval_adapter import HaxJaxLM, task_manager
 
     lm = HaxJaxLM(
         loaded=(model, tokenizer), batch_size=args.batch_size, max_length=max(args.lengths)
     )
-    manager = TaskManager(include_path=args.lm_eval_include or None)
+    manager = task_manager(args.lm_eval_include)  # the index the task names were checked in
     out = lm_eval.simple_evaluate(
         model=lm, tasks=[name], task_manager=manager, limit=args.limit or None
     )

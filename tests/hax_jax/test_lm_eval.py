@@ -1,8 +1,10 @@
 """The lm-evaluation-harness adapter: local YAML tasks over local JSONL, offline, against direct
 sums."""
 
+import importlib.util
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from hax_jax.evals import lm_eval_adapter  # noqa: E402
 from hax_jax.evals.lm_eval_adapter import HaxJaxLM  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "eval_script", Path(__file__).resolve().parents[2] / "eval.py"
+)
+eval_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(eval_cli)
 
 QUESTIONS = [
     {"question": "The import statement", "choices": [" loads a module", " is blue"], "answer": 0},
@@ -145,6 +154,22 @@ def test_lm_eval_command_line_runs_the_registered_model(run, tmp_path, monkeypat
     written = json.loads(next(tmp_path.rglob("results*.json")).read_text())
     expected = run["out"]["results"]["hax_mc"]["acc,none"]
     assert written["results"]["hax_mc"]["acc,none"] == expected
+
+
+def test_eval_py_runs_lm_eval_tasks_on_one_task_index(run, monkeypatch):
+    """`eval.py CKPT --tasks lm_eval:a,lm_eval:b`: the results of lm_eval's own run, with the task
+    index (it reads every YAML lm_eval ships) built once for the name check and both tasks."""
+    built = []
+    monkeypatch.setattr(
+        lm_eval_adapter, "TaskManager", lambda **kw: built.append(kw) or TaskManager(**kw)
+    )
+    lm_eval_adapter.task_manager.cache_clear()
+    tasks = str(run["ckpt"].parent / "tasks")
+    argv = [str(run["ckpt"]), "--tasks", "lm_eval:hax_mc,lm_eval:hax_gen", "--lm-eval-include"]
+    results = eval_cli.main([*argv, tasks, "--lengths", "64", "--batch-size", "2"])
+    for name, metric in (("hax_mc", "acc,none"), ("hax_gen", "exact_match,none")):
+        assert results[f"lm_eval:{name}"][metric] == run["out"]["results"][name][metric]
+    assert built == [{"include_path": tasks}]
 
 
 @pytest.mark.parametrize(
