@@ -66,6 +66,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.overrides = overrides
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.lengths = [_positive(v, "--lengths") for v in args.lengths.split(",") if v]
+    for flag, value, least in (
+        ("--batch-size", args.batch_size, 1),
+        ("--num-examples", args.num_examples, 1),
+        ("--limit", args.limit, 0),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
     return args
 
 

@@ -193,6 +193,12 @@ def test_mqar_metrics_equal_direct_computation_with_hits():
         (["--tasks", "joint_recall", "model.d_model=8"], "data.\\* overrides only"),
         (["--tasks", "joint_recall", "--lengths", "0"], "positive integers, got '0'"),
         (["--tasks", "joint_recall", "--split", "train"], "split='train'"),
+        (
+            ["--tasks", "joint_recall", "--batch-size", "0"],
+            "--batch-size must be at least 1, got 0",
+        ),
+        (["--tasks", "ruler", "--num-examples", "-2"], "--num-examples must be at least 1, got -2"),
+        (["--tasks", "longbench", "--limit", "-1"], "--limit must be at least 0, got -1"),
     ],
 )
 def test_eval_cli_errors_name_the_value(tiny, argv, match):
