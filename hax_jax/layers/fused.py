@@ -114,20 +114,22 @@ class FusedLinear(nnx.Module):
         return apart(y, order, [p.shape for p in self.parts])
 
 
+def _decoding_layers(model: nnx.Module):
+    """(path in `model`, module) of every Linear and FusedLinear: the layers with a decode copy."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear | FusedLinear):
+            yield "/".join(map(str, path)), node
+
+
 def decode_copies(model: nnx.Module) -> dict[str, tuple]:
     """Every Linear's and FusedLinear's `decode_copy`, by the module's path in `model`."""
-    return {
-        "/".join(map(str, path)): node.decode_copy()
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, Linear | FusedLinear)
-    }
+    return {path: node.decode_copy() for path, node in _decoding_layers(model)}
 
 
 def use_decode_copies(model: nnx.Module, copies: dict[str, tuple]) -> None:
     """Gives each Linear and FusedLinear of `model` its copy from `decode_copies`."""
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, Linear | FusedLinear):
-            node.decoding = nnx.data(copies["/".join(map(str, path))])
+    for path, node in _decoding_layers(model):
+        node.decoding = nnx.data(copies[path])
 
 
 def side_by_side(arrays: Mapping, order: Sequence[str], lead: int):
