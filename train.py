@@ -18,7 +18,7 @@ from flax import nnx
 from hax_jax import checkpoint, distributed, heap, optim, parallel, sharding, training
 from hax_jax import config as config_lib
 from hax_jax.data import pipeline
-from hax_jax.metrics import Metrics, ProgressBar
+from hax_jax.metrics import Metrics, ProgressBar, device_memory
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
 DEFAULT_CONFIG = "configs/main.py"
@@ -185,6 +185,7 @@ class Trainer:
         values["tokens_per_s"] = (
             (step - first) * self.cfg.data.batch_size * self.row_length
         ) / max(time.perf_counter() - start, 1e-9)
+        values.update(device_memory())
         bar(step, values)
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.num_steps:
             self.metrics.write(step, values)

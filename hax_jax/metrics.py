@@ -26,6 +26,17 @@ def _summary_writer(logdir: Path, purge_step: int | None):
     )
 
 
+def device_memory() -> dict:
+    """{"peak_gib": the most memory any of this process's devices has held so far}, where the
+    backend counts it (GPU, TPU); {} where it does not (CPU)."""
+    peaks = [
+        stats["peak_bytes_in_use"]
+        for stats in (device.memory_stats() for device in jax.local_devices())
+        if stats and "peak_bytes_in_use" in stats
+    ]
+    return {"peak_gib": max(peaks) / 2**30} if peaks else {}
+
+
 class Metrics:
     """metrics.jsonl and TensorBoard events, written by process 0 only."""
 

@@ -54,3 +54,22 @@ def test_a_resumed_run_drops_and_purges_the_steps_it_redoes(tmp_path):
     purges = [e.step for e in events if e.session_log.status == event_pb2.SessionLog.START]
     assert purges == [3]
     assert _scalars(events)[-1] == (3, "loss", 30.0)
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_device_memory_reports_the_largest_peak_or_nothing(monkeypatch):
+    from hax_jax import metrics
+
+    gib = 2**30
+    devices = [_Device({"peak_bytes_in_use": 3 * gib}), _Device({"peak_bytes_in_use": 5 * gib})]
+    monkeypatch.setattr(metrics.jax, "local_devices", lambda: devices)
+    assert metrics.device_memory() == {"peak_gib": 5.0}
+    monkeypatch.setattr(metrics.jax, "local_devices", lambda: [_Device(None), _Device({})])
+    assert metrics.device_memory() == {}  # CPU: memory_stats() is None
