@@ -235,7 +235,14 @@ class HaxBranch(nnx.Module):
         if self.scorer is not None:
             score = self.scorer(k, l2_normalize(cache.q_sum + q.astype(jnp.float32)))
         o, cache = sparse_attention_step(
-            q, k, x, cache, spec=self.spec, hash_proj=self._hash_proj(None), key_score=score
+            q,
+            k,
+            x,
+            cache,
+            spec=self.spec,
+            hash_proj=self._hash_proj(None),
+            key_score=score,
+            impl=self.cfg.impl,
         )
         return o * self.E[...].astype(o.dtype), cache
 

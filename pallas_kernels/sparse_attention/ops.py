@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from .. import backend
 from ..checks import check_float, check_shape
-from . import pallas
+from . import decode_pallas, pallas
 from .decode import SparseAttentionCache, init_cache_arrays, prefill_arrays, step_arrays
 from .indexed import sparse_attention_indexed
 from .reference import sparse_attention_reference
@@ -247,9 +247,24 @@ def init_cache(batch, capacity, n, e, *, spec, dtype=jnp.float32):
 
 
 _step_jit = jax.jit(step_arrays, static_argnames=("spec",))
+_step_pallas_jit = jax.jit(decode_pallas.step_pallas, static_argnames=("spec",))
 
 
-def sparse_attention_step(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
+def picks_step_pallas(spec, n, e, impl) -> bool:
+    """Whether the decode step runs as one Pallas kernel (decode_pallas): impl="pallas" (a
+    ValueError naming why if it cannot), or "auto" where `backend.auto_picks_pallas()` and the
+    kernel takes the spec and shapes."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    why = decode_pallas.unsupported(spec, n, e)
+    if impl == "pallas" and why is not None:
+        raise ValueError(f"impl='pallas' has no decode kernel for {spec.pattern!r} here: {why}")
+    if impl == "auto":
+        return why is None and backend.auto_picks_pallas()
+    return impl == "pallas"
+
+
+def sparse_attention_step(q, k, v, cache, *, spec, hash_proj=None, key_score=None, impl="auto"):
     """One decode step of `sparse_attention`: (o (b, e) in v.dtype, the updated cache).
 
     q, k (b, n); v (b, e); hash_proj (n, spec.hash_bits) for lsh; key_score (b,) for ks; cache
@@ -257,7 +272,9 @@ def sparse_attention_step(q, k, v, cache, *, spec, hash_proj=None, key_score=Non
     of the parallel op would, touching O(num_keys) cache rows ("full" reads all of them).
     ValueError naming capacity when cache.t is concrete and already equals capacity; under an
     outer jit (traced t) that cannot raise, and the output is NaN instead. official_code has
-    no step mode (its LSH centring and empty-row softmax read the whole sequence).
+    no step mode (its LSH centring and empty-row softmax read the whole sequence). impl: "auto"
+    (one Pallas kernel on a GPU where it takes the spec, see `picks_step_pallas`), "pallas", or
+    "indexed" (decode.step_arrays, the plain-JAX definition).
     """
     _check_spec(spec)
     _check_causal(spec)
@@ -279,7 +296,8 @@ def sparse_attention_step(q, k, v, cache, *, spec, hash_proj=None, key_score=Non
         check_float("key_score", key_score)
     if not isinstance(cache.t, jax.core.Tracer) and int(cache.t) >= capacity:
         raise ValueError(f"cache is full: t = {int(cache.t)} reached capacity = {capacity}")
-    return _step_jit(q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=key_score)
+    step = _step_pallas_jit if picks_step_pallas(spec, n, e, impl) else _step_jit
+    return step(q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=key_score)
 
 
 def _check_cache(cache, b, n, e, spec):

@@ -78,7 +78,18 @@ def _assert_sparse_caches_equal(actual, desired):
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_step_equals_parallel(kind, pattern, monkeypatch):
-    mixer = _mixer(kind, pattern)
+    _check_step_equals_parallel(_mixer(kind, pattern), monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_step_kernel_equals_parallel(kind, monkeypatch):
+    """impl="pallas": the parallel op's kernels and the one-kernel decode step (decode_pallas.py),
+    interpreted here."""
+    _check_step_equals_parallel(_mixer(kind, "lsh+ks", impl="pallas"), monkeypatch)
+
+
+def _check_step_equals_parallel(mixer, monkeypatch):
+    """A prefill of 9 tokens, then one token at a time, equals the parallel op on all 29."""
     u = random_inputs(l=29, d=16)
     full, _ = run_parallel(mixer, u)  # the sub-quadratic parallel op
     calls = _record_paths(monkeypatch)

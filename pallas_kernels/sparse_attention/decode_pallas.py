@@ -1,0 +1,246 @@
+"""HAX sparse attention decoding as one GPU kernel (Pallas Triton): decode.step_arrays fused.
+
+decode.step_arrays is a dozen small XLA kernels a layer and token (the running sums, the LSH
+centring, hash and table, the running top-kc, the slot lists, the dedupe, two gathers and the
+softmax); at batch 1 each runs for a few microseconds, so the branch cost more than the Mamba-2
+layer beside it (BENCHMARKS.md, "Generation speed"). Here one program a batch row does all of it:
+
+1. loads the old state (sums, the LSH table's two rows, the top-kc lists) and builds the slots:
+   slot s belongs to component s // kc, at rank r = s % kc, in the pattern's order, as
+   step_arrays concatenates them (padding slots to a power of two are never valid);
+2. barrier, then writes the new state: k and v at row t, the key bucket's table row shifted
+   left with t last, the top-kc lists with t's score inserted, the sums;
+3. barrier (so that the gathers below see row t), then gathers the selected key rows, takes the
+   softmax over the valid, de-duplicated slots, and gathers the value rows a chunk of e at a time.
+
+The barriers matter because the table and the key / value buffers are updated in place: a
+program's threads read and write the same rows. Same contract as step_arrays, except past the
+cache's capacity, where both give NaN outputs but this kernel leaves the buffers as they were
+(step_arrays's dynamic_update_slice writes the last row again). Letters as in decode.py; S slots.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ..backend import compiler_params, interpret_for
+from .decode import SparseAttentionCache
+from .reference import NOISE_RTOL
+
+F32 = jnp.float32
+MAX_VALUE_CHUNK = 256  # value columns a gather reads at once: (S, chunk) fp32 in registers
+
+
+def _pow2(x):
+    """The next power of two >= x (Triton vector lengths)."""
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def unsupported(spec, n, e):
+    """Why this kernel cannot run `spec` with key dim n and value dim e, or None if it can."""
+    if spec.has("full"):
+        return "the 'full' component reads every cache row (decode.step_arrays does)"
+    if n != _pow2(n):
+        return f"the key dim n = {n} is not a power of two"
+    if e % 16:
+        return f"the value dim e = {e} is not a multiple of 16"
+    return None
+
+
+def _value_chunk(e):
+    """Columns of v a gather reads: the largest power of two dividing e, at most 256."""
+    return min(MAX_VALUE_CHUNK, e & -e)
+
+
+def _buckets(x, x_sum, count, hash_proj, binning, hash_bits):
+    """LSH bucket (int32 scalar) of x (n,) centred by its running mean x_sum / count, as
+    reference.centred + lsh_buckets compute it (projections within NOISE_RTOL of zero count as
+    zero)."""
+    mean = x_sum / count
+    scale = jnp.sqrt(jnp.sum(x * x)) + jnp.sqrt(jnp.sum(mean * mean))
+    proj_h = jnp.sum((x - mean)[:, None] * hash_proj, axis=0)
+    col_h = jnp.arange(hash_proj.shape[1], dtype=jnp.int32)
+    tol_h = NOISE_RTOL * scale * jnp.sqrt(jnp.sum(hash_proj * hash_proj, axis=0))
+    proj_h = jnp.where(jnp.abs(proj_h) <= tol_h, 0.0, proj_h)
+    if binning == "argmax":  # the first of the largest, padding columns excluded
+        proj_h = jnp.where(col_h < hash_bits, proj_h, -jnp.inf)
+        return jnp.min(jnp.where(proj_h == jnp.max(proj_h), col_h, hash_proj.shape[1]))
+    bits_h = jnp.where(col_h < hash_bits, jnp.left_shift(1, col_h), 0)
+    return jnp.sum(jnp.where(proj_h > 0, bits_h, 0))
+
+
+def _step_kernel(
+    t_ref, q_ref, k_ref, v_ref, score_ref, hash_ref, qsum_ref, ksum_ref, table_ref, kss_ref,
+    ksp_ref, keys_in, values_in,
+    o_ref, qsum_out, ksum_out, table_out, kss_out, ksp_out, keys_ref, values_ref,
+    *, spec, capacity, chunk, compiled,
+):  # fmt: skip
+    kc, comps = spec.keys_per_component, spec.components
+    slots = _pow2(len(comps) * kc)
+    del keys_in, values_in  # aliased to keys_ref / values_ref
+    t = t_ref[0]
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    q_sum, k_sum = qsum_ref[...] + q, ksum_ref[...] + k
+    s_s = jnp.arange(slots, dtype=jnp.int32)
+    comp_s, r_s = s_s // kc, s_s % kc
+    j_s = jnp.zeros((slots,), jnp.int32)
+    valid_s = jnp.zeros((slots,), jnp.bool_)
+    # (ref, index, value): step 2's stores, after every load of old state. Every slot writes: a
+    # value depends on the rank r alone, so the slots of one rank write the same value to the
+    # same place (a mask would not do: the interpreter's masked scatter rewrites the old value).
+    writes = []
+    for ci, comp in enumerate(comps):
+        mine_s = comp_s == ci
+        if comp == "sw":
+            jc_s, okc_s = t - r_s, t - r_s >= 0
+        elif comp == "sink":
+            jc_s, okc_s = r_s, r_s <= t
+        elif comp == "dilated":
+            d = spec.dilation
+            jc_s = ((t + 1) // d) * d - 1 - d * r_s
+            okc_s = jc_s >= 0
+        elif comp == "lsh":
+            count = (t + 1).astype(F32)
+            hash_proj = hash_ref[...].astype(F32)
+            lsh = dict(hash_proj=hash_proj, binning=spec.binning, hash_bits=spec.hash_bits)
+            bucket_k = _buckets(k, k_sum, count, **lsh)
+            bucket_q = _buckets(q, q_sum, count, **lsh)
+            # The key bucket's row after the push: shifted left one slot, t in the last.
+            bucket_k_s, bucket_q_s = (
+                jnp.full((slots,), x, jnp.int32) for x in (bucket_k, bucket_q)
+            )
+            shifted_s = table_ref[bucket_k_s, jnp.minimum(r_s + 1, kc - 1)]
+            new_row_s = jnp.where(r_s == kc - 1, t, shifted_s)
+            query_row_s = table_ref[bucket_q_s, r_s]
+            jc_s = jnp.where(bucket_q == bucket_k, new_row_s, query_row_s)
+            okc_s = jc_s >= 0
+            writes.append((table_out, (bucket_k_s, r_s), new_row_s))
+        else:  # ks: insert t's score after every kept score >= it (decode.insert_top)
+            score = score_ref[0].astype(F32)
+            old_scores_s = kss_ref[r_s]
+            old_pos_s = ksp_ref[r_s]
+            at = jnp.sum(jnp.where(mine_s & (old_scores_s >= score), 1, 0))
+            down_s = jnp.maximum(r_s - 1, 0)
+            down_scores_s = jnp.where(r_s == 0, score, kss_ref[down_s])
+            down_pos_s = jnp.where(r_s == 0, t, ksp_ref[down_s])
+            before_s, here_s = r_s < at, r_s == at
+            new_scores_s = jnp.where(
+                before_s, old_scores_s, jnp.where(here_s, score, down_scores_s)
+            )
+            jc_s = jnp.where(before_s, old_pos_s, jnp.where(here_s, t, down_pos_s))
+            okc_s = jc_s >= 0
+            writes += [(kss_out, (r_s,), new_scores_s), (ksp_out, (r_s,), jc_s)]
+        j_s = jnp.where(mine_s, jc_s, j_s)
+        valid_s = jnp.where(mine_s, okc_s, valid_s)
+    if len(comps) > 1:  # each position once, in its first slot (decode.step_dedupe)
+        earlier_ss = s_s[None, :] < s_s[:, None]
+        same_ss = (j_s[:, None] == j_s[None, :]) & valid_s[None, :] & earlier_ss
+        valid_s = valid_s & (jnp.max(same_ss.astype(jnp.int32), axis=1) == 0)  # Triton: no any
+    j_s = jnp.where(valid_s, j_s, 0)
+
+    if compiled:  # the interpreter runs one thread: nothing to order
+        pltriton.debug_barrier()  # every old row read before any is overwritten
+    qsum_out[...] = q_sum
+    ksum_out[...] = k_sum
+    for ref, index, value in writes:
+        ref[index] = value
+    row_t = jnp.minimum(t, capacity - 1)
+    inside = t < capacity  # past capacity the buffers keep what they hold
+    n = k.shape[0]
+    pltriton.store(
+        keys_ref.at[row_t, pl.ds(0, n)],
+        k.astype(keys_ref.dtype),
+        mask=jnp.full((n,), inside),
+    )
+    e = v_ref.shape[0]
+
+    def write_v(c, carry):
+        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        pltriton.store(
+            values_ref.at[row_t, cols],
+            v_ref[cols].astype(values_ref.dtype),
+            mask=jnp.full((chunk,), inside),
+        )
+        return carry
+
+    jax.lax.fori_loop(0, e // chunk, write_v, 0)
+    if compiled:
+        pltriton.debug_barrier()  # row t written before the gathers read it
+
+    k_sn = keys_ref[j_s, pl.ds(0, n)].astype(F32)
+    scores_s = jnp.where(valid_s, jnp.sum(q[None, :] * k_sn, axis=1), 0.0)
+    top = jnp.max(jnp.where(valid_s, scores_s, -jnp.inf))
+    top = jnp.where(top > -jnp.inf, top, 0.0)
+    weights_s = jnp.where(valid_s, jnp.exp(scores_s - top), 0.0)
+    denom = jnp.sum(weights_s)
+    scale = 1.0 / jnp.where(denom > 0, denom, 1.0)
+
+    def attend(c, carry):
+        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        v_sc = values_ref[j_s, cols].astype(F32)
+        o_c = jnp.sum(weights_s[:, None] * v_sc, axis=0) * scale
+        o_ref[cols] = jnp.where(inside, o_c, jnp.full((chunk,), jnp.nan, F32)).astype(o_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, e // chunk, attend, 0)
+
+
+def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpret=None):
+    """One decode step (no validation; see ops.sparse_attention_step, and `unsupported` for the
+    specs it takes): returns (o, cache), as decode.step_arrays does."""
+    b, capacity, n = cache.keys.shape
+    e = v.shape[-1]
+    t = jnp.asarray(cache.t, jnp.int32)
+    # Absent components get a one-element stand-in (never read or written).
+    if spec.has("lsh"):
+        hash_bits = hash_proj.shape[1]
+        hash_proj = jnp.pad(hash_proj.astype(F32), ((0, 0), (0, _pow2(hash_bits) - hash_bits)))
+        table = cache.lsh_table
+    else:
+        hash_proj, table = jnp.zeros((1, 1), F32), jnp.zeros((b, 1, 1), jnp.int32)
+    if spec.has("ks"):
+        score = key_score.astype(F32).reshape(b, 1)
+        ks_scores, ks_pos = cache.ks_scores, cache.ks_pos
+    else:
+        score, ks_scores = jnp.zeros((b, 1), F32), jnp.zeros((b, 1), F32)
+        ks_pos = jnp.zeros((b, 1), jnp.int32)
+    row = lambda *tail: pl.BlockSpec((None, *tail), lambda i: (i,) + (0,) * len(tail))  # noqa: E731
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
+    args = (t.reshape(1), q, k, v, score, hash_proj, cache.q_sum, cache.k_sum, table,
+            ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
+    in_specs = [whole(args[0]), row(n), row(n), row(e), row(1), whole(hash_proj), row(n), row(n),
+                row(*table.shape[1:]), row(ks_scores.shape[1]), row(ks_pos.shape[1]),
+                row(capacity, n), row(capacity, e)]  # fmt: skip
+    out_shape = (jax.ShapeDtypeStruct((b, e), v.dtype), cache.q_sum, cache.k_sum, table,
+                 ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
+    out_shape = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_shape)
+    out_specs = [row(e)] + in_specs[6:]
+    interpret = interpret_for("gpu", interpret)
+    kernel = functools.partial(
+        _step_kernel, spec=spec, capacity=capacity, chunk=_value_chunk(e), compiled=not interpret
+    )
+    o, q_sum, k_sum, table, ks_scores, ks_pos, keys, values = pl.pallas_call(
+        kernel,
+        grid=(b,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        # The table and the buffers are updated in place (the program writes a few rows).
+        input_output_aliases={8: 3, 11: 6, 12: 7},
+        interpret=interpret,
+        compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
+    )(*args)
+    new = SparseAttentionCache(
+        keys=keys,
+        values=values,
+        t=t + 1,
+        q_sum=q_sum,
+        k_sum=k_sum,
+        lsh_table=table if spec.has("lsh") else cache.lsh_table,
+        ks_scores=ks_scores if spec.has("ks") else cache.ks_scores,
+        ks_pos=ks_pos if spec.has("ks") else cache.ks_pos,
+    )
+    return o, new
