@@ -27,11 +27,9 @@ B, N, E, H = 2, 8, 48, 3  # e = 48: three value chunks of 16
 # Patterns with 12 keys: kc = 12, 6 or 4 (slots padded to 16), every component, both binnings.
 CASES = [
     ("lsh", "sign"),
-    ("lsh", "argmax"),
     ("ks", "sign"),
     ("sw+sink", "sign"),
     ("sw+dilated", "sign"),
-    ("lsh+ks", "sign"),
     ("lsh+ks", "argmax"),
     ("sw+lsh+ks", "sign"),
 ]
