@@ -27,7 +27,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..backend import compiler_params, interpret_for
-from .decode import SparseAttentionCache
 from .reference import NOISE_RTOL
 
 F32 = jnp.float32
@@ -233,14 +232,9 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
     )(*args)
-    new = SparseAttentionCache(
-        keys=keys,
-        values=values,
-        t=t + 1,
-        q_sum=q_sum,
-        k_sum=k_sum,
-        lsh_table=table if spec.has("lsh") else cache.lsh_table,
-        ks_scores=ks_scores if spec.has("ks") else cache.ks_scores,
-        ks_pos=ks_pos if spec.has("ks") else cache.ks_pos,
-    )
-    return o, new
+    new = dict(keys=keys, values=values, t=t + 1, q_sum=q_sum, k_sum=k_sum)
+    if spec.has("lsh"):
+        new["lsh_table"] = table
+    if spec.has("ks"):
+        new.update(ks_scores=ks_scores, ks_pos=ks_pos)
+    return o, cache._replace(**new)

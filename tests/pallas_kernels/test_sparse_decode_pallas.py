@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_checks import COMPILED, assert_close
-from sparse_cases import TOL
+from sparse_cases import TOL, make_inputs
 
 from pallas_kernels.backend import lower_for
 from pallas_kernels.sparse_attention import (
@@ -36,16 +36,8 @@ CASES = [
 
 
 def _inputs(b, l, n, e, hash_bits, dtype=jnp.float32, seed=0):
-    """Random q, k, v, hash_proj; small integer key scores, so ks sees many ties."""
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
-    return dict(
-        q=jnp.asarray(normal(b, l, n), dtype),
-        k=jnp.asarray(normal(b, l, n), dtype),
-        v=jnp.asarray(normal(b, l, e), dtype),
-        hash_proj=jnp.asarray(normal(n, hash_bits)),
-        key_scores=jnp.asarray(rng.integers(0, 6, (b, l)).astype(np.float32)),
-    )
+    """make_inputs at these sizes."""
+    return make_inputs(l, seed, dtype, hash_bits, b=b, n=n, e=e)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "spec"))

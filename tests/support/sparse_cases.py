@@ -33,16 +33,16 @@ CASES = [
 CASE_IDS = [f"{p}-{b}" if "lsh" in p else p for p, b in CASES]
 
 
-def make_inputs(l, seed=0, dtype=jnp.float32, hash_bits=H_):
+def make_inputs(l, seed=0, dtype=jnp.float32, hash_bits=H_, b=B_, n=N_, e=E_):
     """Random q, k, v, hash_proj; key_scores are small integers, so ks sees many ties."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
     return dict(
-        q=jnp.asarray(normal(B_, l, N_), dtype),
-        k=jnp.asarray(normal(B_, l, N_), dtype),
-        v=jnp.asarray(normal(B_, l, E_), dtype),
-        hash_proj=jnp.asarray(normal(N_, hash_bits)),
-        key_scores=jnp.asarray(rng.integers(0, 6, (B_, l)).astype(np.float32), dtype),
+        q=jnp.asarray(normal(b, l, n), dtype),
+        k=jnp.asarray(normal(b, l, n), dtype),
+        v=jnp.asarray(normal(b, l, e), dtype),
+        hash_proj=jnp.asarray(normal(n, hash_bits)),
+        key_scores=jnp.asarray(rng.integers(0, 6, (b, l)).astype(np.float32), dtype),
     )
 
 
