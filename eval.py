@@ -26,11 +26,23 @@ from pathlib import Path
 from hax_jax import checkpoint
 from hax_jax import config as config_lib
 from hax_jax.data import text
-from hax_jax.evals import heldout, longbench, ruler, ruler_tasks, text_model
+from hax_jax.evals import heldout, longbench, results_table, ruler, ruler_tasks, text_model
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs
 
 RULER_TASKS = tuple(ruler_tasks.TASKS)
 TEXT_TASKS = (*RULER_TASKS, "ruler", "longbench")  # tasks that need a tokenizer
+RULER = ("ruler", *RULER_TASKS)
+# The options only some tasks read ("lm_eval:": every lm_eval task): given for none of --tasks, one
+# would do nothing, so it is refused.
+READ_BY = {
+    "--split": ("joint_recall", "mqar"),
+    **{flag: ("perplexity",) for flag in ("--data", "--token-dtype")},
+    "--lengths": (*RULER, "perplexity", "longbench", "lm_eval:"),
+    **{flag: RULER for flag in ("--num-examples", "--seed", "--haystack", "--qa")},
+    "--longbench": ("longbench",),
+    "--limit": ("longbench", "lm_eval:"),
+    "--lm-eval-include": ("lm_eval:",),
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -39,6 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="eval.py",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an option is named whole, so that READ_BY sees it
         epilog=__doc__.split("\n\n", 1)[1],
     )
     parser.add_argument("path", help="a training workdir or a pretrained checkpoint directory")
@@ -73,6 +86,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    for flag in sorted({word.partition("=")[0] for word in argv} & READ_BY.keys()):
+        readers = READ_BY[flag]
+        if not any(t in readers or f"{t.partition(':')[0]}:" in readers for t in args.tasks):
+            names = ", ".join(r for r in readers if r not in RULER_TASKS).replace("ruler", "RULER")
+            raise ValueError(
+                f"{flag} is read by {names} only, not by --tasks {','.join(args.tasks)}"
+            )
     return args
 
 
@@ -213,27 +233,11 @@ def lm_eval_task(name: str, model, tokenizer, args: argparse.Namespace) -> dict:
     return {k: v for k, v in out["results"][name].items() if k != "alias"}
 
 
-def table(results: dict) -> str:
-    """One line per (task, metric), nested metrics joined by '/'."""
-    rows = []
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}/{k}" if prefix else str(k), v)
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            rows.append((prefix, f"{value:.4f}" if isinstance(value, float) else str(value)))
-
-    walk("", results)
-    width = max((len(name) for name, _ in rows), default=4)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
 def main(argv: list[str]) -> dict:
     """Runs the tasks, prints the table, writes the JSON."""
     args = parse_args(argv)
     results = run(args)  # writes --output as each task completes
-    print(table(results))
+    print(results_table(results))
     return results
 
 

@@ -199,11 +199,28 @@ def test_mqar_metrics_equal_direct_computation_with_hits():
         ),
         (["--tasks", "ruler", "--num-examples", "-2"], "--num-examples must be at least 1, got -2"),
         (["--tasks", "longbench", "--limit", "-1"], "--limit must be at least 0, got -1"),
+        # An option none of the tasks reads would do nothing: refused, naming its readers.
+        (
+            ["--tasks", "joint_recall", "--num-examples", "64"],
+            "--num-examples is read by RULER only, not by --tasks joint_recall",
+        ),
+        (
+            ["--tasks", "ruler,mqar", "--limit=3"],
+            "--limit is read by longbench, lm_eval: only, not by --tasks ruler,mqar",
+        ),
+        (["--tasks", "perplexity", "--split", "test"], "--split is read by joint_recall, mqar"),
     ],
 )
 def test_eval_cli_errors_name_the_value(tiny, argv, match):
     with pytest.raises(ValueError, match=match):
         eval_cli.main([str(tiny["ckpt"]), *argv])
+
+
+def test_an_abbreviated_option_is_not_taken(tiny, capsys):
+    """Options are named whole (an abbreviation would slip past the check of who reads it)."""
+    with pytest.raises(SystemExit):
+        eval_cli.main([str(tiny["ckpt"]), "--tasks", "ruler", "--num-ex", "3"])
+    assert "unrecognized arguments: --num-ex 3" in capsys.readouterr().err
 
 
 def test_text_task_without_tokenizer_is_a_clear_error(tiny, tmp_path):
