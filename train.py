@@ -185,9 +185,9 @@ class Trainer:
         values["tokens_per_s"] = (
             (step - first) * self.cfg.data.batch_size * self.row_length
         ) / max(time.perf_counter() - start, 1e-9)
-        values.update(device_memory())
         bar(step, values)
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.num_steps:
+            values.update(device_memory())  # read on log steps only: it asks every device
             self.metrics.write(step, values)
             self.window = (time.perf_counter(), step)
         return values

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 from bench import timing  # noqa: E402
 from hax_jax import heap  # noqa: E402
+from hax_jax.metrics import device_memory  # noqa: E402
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs  # noqa: E402
 
 LM = ["data.batch_size=8", "data.seq_len=2048"]
@@ -199,12 +200,12 @@ def measure(
                 return step_metrics
 
             timing.print_step_profile(name, one_step, profile)
-        peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in mesh.devices.flat)
+        peak_gib = device_memory().get("peak_gib", 0.0)  # every device of this process
     result = {
         "case": name,
         "config": " ".join([*CASES[name], *extra]),
         "mesh": " x ".join(f"{k}={v}" for k, v in mesh.shape.items()),
-        "peak_gib": peak / 2**30,
+        "peak_gib": peak_gib,
         "batch": f"{rows} x {length}",
         "compile_s": compile_s,
         "step_ms": 1e3 * step_s,
