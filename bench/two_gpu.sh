@@ -72,6 +72,8 @@
 #        procs     train.py end to end: one GPU, one process over 2 GPUs, two processes (README launch),
 #                  for CASE (default lm_mamba2_130m) on the 2-GPU mesh TWO (default "mesh.data=2
 #                  data.batch_size=16"; e.g. CASE=lm_mamba2_130m_32k TWO="mesh.data=1 mesh.seq=2")
+#                  (RUNS: which of "one 1proc 2proc", default all; STEPS: steps a window, default 20;
+#                  LIMIT: seconds a run, default 170, two processes 30 more)
 #
 # One-GPU cases of a phase run side by side, one per GPU (CUDA_VISIBLE_DEVICES), then its 2-GPU cases
 # one at a time. Every case's log goes to OUTDIR/<case>.log; a case past its time limit is stopped and
@@ -400,11 +402,17 @@ graphs)
     ;;
 procs)
     # four windows each: the one-GPU baseline's two windows were 6% apart (eleventh session)
-    mp="python bench/multiprocess_throughput.py --case ${CASE:-lm_mamba2_130m} --steps 20 --windows 4"
+    mp="python bench/multiprocess_throughput.py --case ${CASE:-lm_mamba2_130m} --steps ${STEPS:-20} --windows 4"
     two=${TWO:-mesh.data=2 data.batch_size=16}
-    gpu 0 run e2e_one_gpu 170 $mp --processes 1
-    run e2e_1proc_two 170 $mp --processes 1 --set $two
-    run e2e_2proc_two 200 $mp --processes 2 --set $two
+    limit=${LIMIT:-170}  # seconds a run; HAX at 64K compiles for about 150 s
+    for r in ${RUNS:-one 1proc 2proc}; do
+        case $r in
+        one) gpu 0 run e2e_one_gpu "$limit" $mp --processes 1 ;;
+        1proc) run e2e_1proc_two "$limit" $mp --processes 1 --set $two ;;
+        2proc) run e2e_2proc_two $((limit + 30)) $mp --processes 2 --set $two ;;
+        *) echo "error: RUNS holds '$r' (each of one, 1proc, 2proc)" >&2; exit 2 ;;
+        esac
+    done
     ;;
 *)
     echo "error: unknown phase '$phase' (one of $phases)" >&2
