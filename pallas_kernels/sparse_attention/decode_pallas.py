@@ -1,22 +1,26 @@
-"""HAX sparse attention decoding as one GPU kernel (Pallas Triton): decode.step_arrays fused.
+"""HAX sparse attention decoding as two GPU kernels (Pallas Triton): decode.step_arrays fused.
 
 decode.step_arrays is a dozen small XLA kernels a layer and token (the running sums, the LSH
 centring, hash and table, the running top-kc, the slot lists, the dedupe, two gathers and the
 softmax); at batch 1 each runs for a few microseconds, so the branch cost more than the Mamba-2
-layer beside it (BENCHMARKS.md, "Generation speed"). Here one program a batch row does all of it:
+layer beside it (BENCHMARKS.md, "Generation speed"). Here:
 
+`_select_kernel`, one program a batch row:
 1. loads the old state (sums, the LSH table's two rows, the top-kc lists) and builds the slots:
    slot s belongs to component s // kc, at rank r = s % kc, in the pattern's order, as
-   step_arrays concatenates them (padding slots to a power of two are never valid);
-2. barrier, then writes the new state: k and v at row t, the key bucket's table row shifted
-   left with t last, the top-kc lists with t's score inserted, the sums;
-3. barrier (so that the gathers below see row t), then gathers the selected key rows, takes the
-   softmax over the valid, de-duplicated slots, and gathers the value rows a chunk of e at a time.
+   step_arrays concatenates them (padding slots to a power of two are never valid), de-duplicated;
+   writes the selected positions (-1 where a slot is not valid);
+2. barrier, then writes the new state in place: k and v at row t, the key bucket's table row
+   shifted left with t last, the top-kc lists with t's score inserted, the sums. The barrier
+   matters because a program's threads read and write the same rows.
+`_attend_kernel`, one program a batch row and chunk of the value columns (so that at batch 1 the
+value rows are gathered by many SMs at once): gathers the selected key rows, takes the softmax
+over the valid slots and gathers its chunk of the value rows. It runs after the first kernel,
+so it reads row t from the buffers.
 
-The barriers matter because the table and the key / value buffers are updated in place: a
-program's threads read and write the same rows. Same contract as step_arrays, except past the
-cache's capacity, where both give NaN outputs but this kernel leaves the buffers as they were
-(step_arrays's dynamic_update_slice writes the last row again). Letters as in decode.py; S slots.
+Same contract as step_arrays, except past the cache's capacity, where both give NaN outputs but
+these kernels leave the buffers as they were (step_arrays's dynamic_update_slice writes the last
+row again). Letters as in decode.py; S slots.
 """
 
 import functools
@@ -30,7 +34,7 @@ from ..backend import compiler_params, interpret_for
 from .reference import NOISE_RTOL
 
 F32 = jnp.float32
-MAX_VALUE_CHUNK = 256  # value columns a gather reads at once: (S, chunk) fp32 in registers
+MAX_VALUE_CHUNK = 128  # value columns an attend program gathers: (S, chunk) fp32 in registers
 
 
 def _pow2(x):
@@ -50,7 +54,7 @@ def unsupported(spec, n, e):
 
 
 def _value_chunk(e):
-    """Columns of v a gather reads: the largest power of two dividing e, at most 256."""
+    """Columns of v a program reads: the largest power of two dividing e, at most 128."""
     return min(MAX_VALUE_CHUNK, e & -e)
 
 
@@ -71,10 +75,10 @@ def _buckets(x, x_sum, count, hash_proj, binning, hash_bits):
     return jnp.sum(jnp.where(proj_h > 0, bits_h, 0))
 
 
-def _step_kernel(
+def _select_kernel(
     t_ref, q_ref, k_ref, v_ref, score_ref, hash_ref, qsum_ref, ksum_ref, table_ref, kss_ref,
     ksp_ref, keys_in, values_in,
-    o_ref, qsum_out, ksum_out, table_out, kss_out, ksp_out, keys_ref, values_ref,
+    j_ref, qsum_out, ksum_out, table_out, kss_out, ksp_out, keys_ref, values_ref,
     *, spec, capacity, chunk, compiled,
 ):  # fmt: skip
     kc, comps = spec.keys_per_component, spec.components
@@ -138,7 +142,7 @@ def _step_kernel(
         earlier_ss = s_s[None, :] < s_s[:, None]
         same_ss = (j_s[:, None] == j_s[None, :]) & valid_s[None, :] & earlier_ss
         valid_s = valid_s & (jnp.max(same_ss.astype(jnp.int32), axis=1) == 0)  # Triton: no any
-    j_s = jnp.where(valid_s, j_s, 0)
+    j_ref[...] = jnp.where(valid_s, j_s, -1)
 
     if compiled:  # the interpreter runs one thread: nothing to order
         pltriton.debug_barrier()  # every old row read before any is overwritten
@@ -154,7 +158,6 @@ def _step_kernel(
         k.astype(keys_ref.dtype),
         mask=jnp.full((n,), inside),
     )
-    e = v_ref.shape[0]
 
     def write_v(c, carry):
         cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
@@ -165,26 +168,25 @@ def _step_kernel(
         )
         return carry
 
-    jax.lax.fori_loop(0, e // chunk, write_v, 0)
-    if compiled:
-        pltriton.debug_barrier()  # row t written before the gathers read it
+    jax.lax.fori_loop(0, v_ref.shape[0] // chunk, write_v, 0)
 
-    k_sn = keys_ref[j_s, pl.ds(0, n)].astype(F32)
+
+def _attend_kernel(t_ref, q_ref, j_ref, keys_ref, values_ref, o_ref, *, capacity):
+    """Softmax over the selected rows (j < 0: not selected) and this program's value columns."""
+    j_s = j_ref[...]
+    valid_s = j_s >= 0
+    j_s = jnp.where(valid_s, j_s, 0)
+    q = q_ref[...].astype(F32)
+    k_sn = keys_ref[j_s, pl.ds(0, q.shape[0])].astype(F32)
     scores_s = jnp.where(valid_s, jnp.sum(q[None, :] * k_sn, axis=1), 0.0)
     top = jnp.max(jnp.where(valid_s, scores_s, -jnp.inf))
     top = jnp.where(top > -jnp.inf, top, 0.0)
     weights_s = jnp.where(valid_s, jnp.exp(scores_s - top), 0.0)
     denom = jnp.sum(weights_s)
-    scale = 1.0 / jnp.where(denom > 0, denom, 1.0)
-
-    def attend(c, carry):
-        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        v_sc = values_ref[j_s, cols].astype(F32)
-        o_c = jnp.sum(weights_s[:, None] * v_sc, axis=0) * scale
-        o_ref[cols] = jnp.where(inside, o_c, jnp.full((chunk,), jnp.nan, F32)).astype(o_ref.dtype)
-        return carry
-
-    jax.lax.fori_loop(0, e // chunk, attend, 0)
+    v_sc = values_ref[j_s, pl.ds(0, o_ref.shape[0])].astype(F32)
+    o_c = jnp.sum(weights_s[:, None] * v_sc, axis=0) / jnp.where(denom > 0, denom, 1.0)
+    nan_c = jnp.full(o_c.shape, jnp.nan, F32)
+    o_ref[...] = jnp.where(t_ref[0] < capacity, o_c, nan_c).astype(o_ref.dtype)
 
 
 def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpret=None):
@@ -213,25 +215,42 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
     in_specs = [whole(args[0]), row(n), row(n), row(e), row(1), whole(hash_proj), row(n), row(n),
                 row(*table.shape[1:]), row(ks_scores.shape[1]), row(ks_pos.shape[1]),
                 row(capacity, n), row(capacity, e)]  # fmt: skip
-    out_shape = (jax.ShapeDtypeStruct((b, e), v.dtype), cache.q_sum, cache.k_sum, table,
+    slots = _pow2(len(spec.components) * spec.keys_per_component)
+    out_shape = (jax.ShapeDtypeStruct((b, slots), jnp.int32), cache.q_sum, cache.k_sum, table,
                  ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
     out_shape = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_shape)
-    out_specs = [row(e)] + in_specs[6:]
     interpret = interpret_for("gpu", interpret)
-    kernel = functools.partial(
-        _step_kernel, spec=spec, capacity=capacity, chunk=_value_chunk(e), compiled=not interpret
+    chunk = _value_chunk(e)
+    select = functools.partial(
+        _select_kernel, spec=spec, capacity=capacity, chunk=chunk, compiled=not interpret
     )
-    o, q_sum, k_sum, table, ks_scores, ks_pos, keys, values = pl.pallas_call(
-        kernel,
+    j, q_sum, k_sum, table, ks_scores, ks_pos, keys, values = pl.pallas_call(
+        select,
         grid=(b,),
         in_specs=in_specs,
-        out_specs=out_specs,
+        out_specs=[row(slots)] + in_specs[6:],
         out_shape=out_shape,
-        # The table and the buffers are updated in place (the program writes a few rows).
-        input_output_aliases={8: 3, 11: 6, 12: 7},
+        # Every part of the state is updated in place (the program writes a few rows of it).
+        input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5, 11: 6, 12: 7},
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
     )(*args)
+    at = lambda block: lambda i, c: (i,) + block(c)  # noqa: E731
+    o = pl.pallas_call(
+        functools.partial(_attend_kernel, capacity=capacity),
+        grid=(b, e // chunk),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, c: (0,)),
+            pl.BlockSpec((None, n), at(lambda c: (0,))),
+            pl.BlockSpec((None, slots), at(lambda c: (0,))),
+            pl.BlockSpec((None, capacity, n), at(lambda c: (0, 0))),
+            pl.BlockSpec((None, capacity, chunk), at(lambda c: (0, c))),
+        ],
+        out_specs=pl.BlockSpec((None, chunk), at(lambda c: (c,))),
+        out_shape=jax.ShapeDtypeStruct((b, e), v.dtype),
+        interpret=interpret,
+        compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
+    )(args[0], q, j, keys, values)
     new = dict(keys=keys, values=values, t=t + 1, q_sum=q_sum, k_sum=k_sum)
     if spec.has("lsh"):
         new["lsh_table"] = table

@@ -251,7 +251,7 @@ _step_pallas_jit = jax.jit(decode_pallas.step_pallas, static_argnames=("spec",))
 
 
 def picks_step_pallas(spec, n, e, impl) -> bool:
-    """Whether the decode step runs as one Pallas kernel (decode_pallas): impl="pallas" (a
+    """Whether the decode step runs as Pallas kernels (decode_pallas): impl="pallas" (a
     ValueError naming why if it cannot), or "auto" where `backend.auto_picks_pallas()` and the
     kernel takes the spec and shapes."""
     if impl not in IMPLS:
@@ -273,7 +273,7 @@ def sparse_attention_step(q, k, v, cache, *, spec, hash_proj=None, key_score=Non
     ValueError naming capacity when cache.t is concrete and already equals capacity; under an
     outer jit (traced t) that cannot raise, and the output is NaN instead. official_code has
     no step mode (its LSH centring and empty-row softmax read the whole sequence). impl: "auto"
-    (one Pallas kernel on a GPU where it takes the spec, see `picks_step_pallas`), "pallas", or
+    (Pallas kernels on a GPU where they take the spec, see `picks_step_pallas`), "pallas", or
     "indexed" (decode.step_arrays, the plain-JAX definition).
     """
     _check_spec(spec)

@@ -82,7 +82,7 @@ def test_step_equals_parallel(kind, pattern, monkeypatch):
 
 
 def test_step_kernel_equals_parallel(monkeypatch):
-    """impl="pallas": the parallel op's kernels and the one-kernel decode step (decode_pallas.py),
+    """impl="pallas": the parallel op's kernels and the decode step's kernels (decode_pallas.py),
     interpreted here (one mixer kind: both call the branch's step alike)."""
     _check_step_equals_parallel(_mixer("mamba2", "lsh+ks", impl="pallas"), monkeypatch)
 

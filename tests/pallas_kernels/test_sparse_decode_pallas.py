@@ -1,4 +1,4 @@
-"""The decode step as one Pallas kernel (decode_pallas.py): token by token it gives the dense
+"""The decode step as Pallas kernels (decode_pallas.py): token by token it gives the dense
 definition's outputs (reference.py, the paper's masks) and the plain-JAX step's cache
 (decode.step_arrays), interpreted on CPU and compiled on a GPU; it cross-lowers for CUDA at the
 HAX 130M shapes; impl chooses it, and refuses what it cannot run."""
