@@ -7,7 +7,7 @@ Starts `--processes` train.py processes on this host, process i seeing GPU i alo
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID as in the README; they train
 (--windows + 1) x --steps steps on fresh batches of a case of bench/train_throughput.py. Reports
 process 0's tokens/s (metrics.jsonl, a window every --steps steps; the first, which compiles, left
-out): the mean, then each window's. `--processes 1`
+out): the mean, the median, then each window's. `--processes 1`
 runs one train.py over every visible GPU with the same arguments: the one-process baseline.
 """
 
@@ -90,8 +90,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         windows = run(args.case, args.processes, args.steps, args.windows, args.set, Path(scratch))
     each = ", ".join(f"{w:,.0f}" for w in windows)
-    mean = np.mean(windows)
-    print(f"| {args.case} | `{' '.join(args.set)}` | {args.processes} | {mean:,.0f} | {each} |")
+    mean, median = np.mean(windows), np.median(windows)
+    print(
+        f"| {args.case} | `{' '.join(args.set)}` | {args.processes} | {mean:,.0f} | "
+        f"{median:,.0f} | {each} |"
+    )
 
 
 if __name__ == "__main__":

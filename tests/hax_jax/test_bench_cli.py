@@ -58,6 +58,12 @@ def run_script(script, args, monkeypatch, capsys):
             "unknown component 'nope' in pattern 'sw+nope'",
         ),
         ("sparse_attention_kernel.py", ["--block-q", "24"], "block_q must be a power of two"),
+        (
+            "multiprocess_throughput.py",
+            ["--case", "lm_mamba2_130m", "--processes", "0"],
+            "--processes must be at least 1, got 0",
+        ),
+        ("multiprocess_throughput.py", ["--case", "lm_nope"], "--case: invalid choice: 'lm_nope'"),
     ],
     ids=[
         "unknown-case",
@@ -78,6 +84,8 @@ def run_script(script, args, monkeypatch, capsys):
         "scaling-max-len-negative",
         "scaling-unknown-pattern",
         "kernel-block-not-a-power-of-two",
+        "processes-0",
+        "processes-unknown-case",
     ],
 )
 def test_bad_arguments_stop_with_one_error_line(tmp_path, monkeypatch, capsys, script, args, named):
