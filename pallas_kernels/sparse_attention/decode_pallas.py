@@ -82,7 +82,7 @@ def _select_kernel(
     *, spec, capacity, chunk, compiled,
 ):  # fmt: skip
     kc, comps = spec.keys_per_component, spec.components
-    slots = _pow2(len(comps) * kc)
+    slots = j_ref.shape[0]  # len(comps) * kc padded to a power of two (step_pallas)
     del keys_in, values_in  # aliased to keys_ref / values_ref
     t = t_ref[0]
     q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
