@@ -405,6 +405,10 @@ procs)
     mp="python bench/multiprocess_throughput.py --case ${CASE:-lm_mamba2_130m} --steps ${STEPS:-20} --windows 4"
     two=${TWO:-mesh.data=2 data.batch_size=16}
     limit=${LIMIT:-170}  # seconds a run; HAX at 64K compiles for about 150 s
+    if ! [[ $limit =~ ^[1-9][0-9]*$ ]]; then
+        echo "error: LIMIT must be a positive number of seconds, got '$limit'" >&2
+        exit 2
+    fi
     for r in ${RUNS:-one 1proc 2proc}; do
         case $r in
         one) gpu 0 run e2e_one_gpu "$limit" $mp --processes 1 ;;
