@@ -20,6 +20,7 @@ from hax_jax.layers import init
 from hax_jax.parallel import per_device
 from hax_jax.parallel_sparse import sequence_cumsum, sparse_attention_sequence_parallel
 from pallas_kernels.sparse_attention import (
+    LinearScore,
     SparseAttentionCache,
     init_cache,
     prefill_cache,
@@ -95,10 +96,23 @@ class KeyScorer(nnx.Module):
     def __call__(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
         """k, q_sum (..., N) (q_sum already normalised) -> scores (...,) fp32; no gradient to k or
         q."""
+        return self.fc3(self._hidden(k, q_sum))[..., 0]
+
+    def linear_score(self, k: jax.Array, q_sum: jax.Array) -> LinearScore:
+        """The scores as the last layer still to apply: the decode step's kernel applies it (one
+        GEMV and one bias kernel fewer a layer and token)."""
+        if self.fc3.decoding is None:
+            weight, bias = self.fc3.kernel[...][:, 0], self.fc3.bias[...][0]
+        else:  # generate's copy, rows first (layers/linear.py)
+            rows, bias = self.fc3.decoding
+            weight, bias = rows[0], bias[0]
+        return LinearScore(self._hidden(k, q_sum), weight, bias)
+
+    def _hidden(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
+        """The input of the last layer, (..., 2N) fp32."""
         h = jnp.concatenate([jax.lax.stop_gradient(k), jax.lax.stop_gradient(q_sum)], axis=-1)
         h = jax.nn.relu(self.fc1(h.astype(jnp.float32)))
-        h = jax.nn.relu(self.fc2(h))
-        return self.fc3(h)[..., 0]
+        return jax.nn.relu(self.fc2(h))
 
 
 class HaxBranch(nnx.Module):
@@ -233,7 +247,7 @@ class HaxBranch(nnx.Module):
         q, k = self._qk(x)
         score = None
         if self.scorer is not None:
-            score = self.scorer(k, l2_normalize(cache.q_sum + q.astype(jnp.float32)))
+            score = self.scorer.linear_score(k, l2_normalize(cache.q_sum + q.astype(jnp.float32)))
         o, cache = sparse_attention_step(
             q,
             k,

@@ -1,6 +1,6 @@
 """HAX context-dependent sparse attention (sw / sink / dilated / lsh / ks / full), with decode."""
 
-from .decode import SparseAttentionCache
+from .decode import LinearScore, SparseAttentionCache
 from .ops import (
     init_cache,
     prefill_cache,
@@ -17,6 +17,7 @@ from .reference import (
 from .spec import SparseSpec
 
 __all__ = [
+    "LinearScore",
     "SparseAttentionCache",
     "SparseSpec",
     "init_cache",

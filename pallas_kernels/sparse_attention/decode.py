@@ -29,6 +29,22 @@ from .indexed import dedupe, gather_rows, softmax_attend
 from .reference import centred, lsh_buckets, running_buckets
 
 
+class LinearScore(NamedTuple):
+    """A key score given as the last layer of the scorer that makes it: value = features @ weight +
+    bias, for a step to take instead of the score itself (the Pallas step computes it inside its
+    kernel, saving the GEMV and bias kernels a layer and token). features (b, m) float, weight
+    (m,) float, bias () float."""
+
+    features: jax.Array
+    weight: jax.Array
+    bias: jax.Array
+
+    def value(self) -> jax.Array:
+        """The scores (b,) fp32."""
+        features = self.features.astype(jnp.float32)
+        return features @ self.weight.astype(jnp.float32) + self.bias.astype(jnp.float32)
+
+
 class SparseAttentionCache(NamedTuple):
     """Decode state of `sparse_attention_step`.
 
@@ -75,6 +91,7 @@ def init_cache_arrays(batch, capacity, n, e, *, spec, dtype):
 
 def step_arrays(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
     """One decode step (no validation; see ops.sparse_attention_step): returns (o, cache).
+    key_score: (b,) or a LinearScore.
 
     Past capacity the buffers cannot take the new row, so o is NaN there (a traced t cannot
     raise); ops.sparse_attention_step raises instead when t is concrete.
@@ -118,6 +135,8 @@ def step_arrays(q, k, v, cache, *, spec, hash_proj=None, key_score=None):
             j_bs = lsh_table[batch_b, bucket_q_b]
             parts.append((j_bs, j_bs >= 0))
         else:  # ks
+            if isinstance(key_score, LinearScore):
+                key_score = key_score.value()
             score_b1 = jax.lax.stop_gradient(key_score.astype(jnp.float32))[:, None]
             ks_scores, ks_pos = insert_top(ks_scores, ks_pos, score_b1, t)
             parts.append((ks_pos, ks_pos >= 0))

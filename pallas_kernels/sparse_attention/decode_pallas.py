@@ -9,14 +9,16 @@ layer beside it (BENCHMARKS.md, "Generation speed"). Here:
 1. loads the old state (sums, the LSH table's two rows, the top-kc lists) and builds the slots:
    slot s belongs to component s // kc, at rank r = s % kc, in the pattern's order, as
    step_arrays concatenates them (padding slots to a power of two are never valid), de-duplicated;
-   writes the selected positions (-1 where a slot is not valid);
+   writes the selected positions (-1 where a slot is not valid, PAST_CAPACITY in every slot once
+   the cache is full); ks's score is the scorer's last layer, applied here (decode.LinearScore);
 2. barrier, then writes the new state in place: k and v at row t, the key bucket's table row
    shifted left with t last, the top-kc lists with t's score inserted, the sums. The barrier
    matters because a program's threads read and write the same rows.
 `_attend_kernel`, one program a batch row and chunk of the value columns (so that at batch 1 the
 value rows are gathered by many SMs at once): gathers the selected key rows, takes the softmax
 over the valid slots and gathers its chunk of the value rows. It runs after the first kernel,
-so it reads row t from the buffers.
+so it reads row t from the buffers; its first program advances t in place (one kernel fewer a
+layer than an add after it).
 
 Same contract as step_arrays, except past the cache's capacity, where both give NaN outputs but
 these kernels leave the buffers as they were (step_arrays's dynamic_update_slice writes the last
@@ -31,10 +33,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..backend import compiler_params, interpret_for
+from .decode import LinearScore
 from .reference import NOISE_RTOL
 
 F32 = jnp.float32
 MAX_VALUE_CHUNK = 128  # value columns an attend program gathers: (S, chunk) fp32 in registers
+# In every slot once t has reached capacity: the attend kernel's outputs are NaN (it never reads
+# t, which its first program overwrites).
+PAST_CAPACITY = -2
 
 
 def _pow2(x):
@@ -76,8 +82,8 @@ def _buckets(x, x_sum, count, hash_proj, binning, hash_bits):
 
 
 def _select_kernel(
-    t_ref, q_ref, k_ref, v_ref, score_ref, hash_ref, qsum_ref, ksum_ref, table_ref, kss_ref,
-    ksp_ref, keys_in, values_in,
+    t_ref, q_ref, k_ref, v_ref, feat_ref, weight_ref, bias_ref, hash_ref, qsum_ref, ksum_ref,
+    table_ref, kss_ref, ksp_ref, keys_in, values_in,
     j_ref, qsum_out, ksum_out, table_out, kss_out, ksp_out, keys_ref, values_ref,
     *, spec, capacity, chunk, compiled,
 ):  # fmt: skip
@@ -122,7 +128,7 @@ def _select_kernel(
             okc_s = jc_s >= 0
             writes.append((table_out, (bucket_k_s, r_s), new_row_s))
         else:  # ks: insert t's score after every kept score >= it (decode.insert_top)
-            score = score_ref[0].astype(F32)
+            score = jnp.sum(feat_ref[...] * weight_ref[...]) + bias_ref[0]
             old_scores_s = kss_ref[r_s]
             old_pos_s = ksp_ref[r_s]
             at = jnp.sum(jnp.where(mine_s & (old_scores_s >= score), 1, 0))
@@ -142,7 +148,8 @@ def _select_kernel(
         earlier_ss = s_s[None, :] < s_s[:, None]
         same_ss = (j_s[:, None] == j_s[None, :]) & valid_s[None, :] & earlier_ss
         valid_s = valid_s & (jnp.max(same_ss.astype(jnp.int32), axis=1) == 0)  # Triton: no any
-    j_ref[...] = jnp.where(valid_s, j_s, -1)
+    j_s = jnp.where(valid_s, j_s, -1)
+    j_ref[...] = jnp.where(t < capacity, j_s, PAST_CAPACITY).astype(jnp.int32)
 
     if compiled:  # the interpreter runs one thread: nothing to order
         pltriton.debug_barrier()  # every old row read before any is overwritten
@@ -171,9 +178,17 @@ def _select_kernel(
     jax.lax.fori_loop(0, v_ref.shape[0] // chunk, write_v, 0)
 
 
-def _attend_kernel(t_ref, q_ref, j_ref, keys_ref, values_ref, o_ref, *, capacity):
-    """Softmax over the selected rows (j < 0: not selected) and this program's value columns."""
+def _attend_kernel(q_ref, j_ref, keys_ref, values_ref, t_in, o_ref, t_ref):
+    """Softmax over the selected rows (j < 0: not selected) and this program's value columns;
+    the first program writes t + 1 over t (t_in aliases t_ref)."""
+    del t_in
+
+    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+    def _():
+        t_ref[...] = t_ref[...] + 1
+
     j_s = j_ref[...]
+    full = jnp.min(j_s) == PAST_CAPACITY
     valid_s = j_s >= 0
     j_s = jnp.where(valid_s, j_s, 0)
     q = q_ref[...].astype(F32)
@@ -186,7 +201,19 @@ def _attend_kernel(t_ref, q_ref, j_ref, keys_ref, values_ref, o_ref, *, capacity
     v_sc = values_ref[j_s, pl.ds(0, o_ref.shape[0])].astype(F32)
     o_c = jnp.sum(weights_s[:, None] * v_sc, axis=0) / jnp.where(denom > 0, denom, 1.0)
     nan_c = jnp.full(o_c.shape, jnp.nan, F32)
-    o_ref[...] = jnp.where(t_ref[0] < capacity, o_c, nan_c).astype(o_ref.dtype)
+    o_ref[...] = jnp.where(full, nan_c, o_c).astype(o_ref.dtype)
+
+
+def _linear_score(key_score, b):
+    """ks's score as (features (b, m), weight (m,), bias (1,)) fp32, m padded to a power of two
+    with zeros; a plain score (b,) as itself times 1 plus 0 (exactly itself)."""
+    if isinstance(key_score, LinearScore):
+        features, weight, bias = (x.astype(F32) for x in key_score)
+    else:
+        features, weight, bias = key_score.astype(F32)[:, None], jnp.ones((1,), F32), jnp.zeros(())
+    pad = _pow2(weight.shape[0]) - weight.shape[0]
+    features, weight = jnp.pad(features, ((0, 0), (0, pad))), jnp.pad(weight, (0, pad))
+    return features, weight, bias.astype(F32).reshape(1)
 
 
 def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpret=None):
@@ -203,18 +230,19 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
     else:
         hash_proj, table = jnp.zeros((1, 1), F32), jnp.zeros((b, 1, 1), jnp.int32)
     if spec.has("ks"):
-        score = key_score.astype(F32).reshape(b, 1)
+        features, weight, bias = _linear_score(key_score, b)
         ks_scores, ks_pos = cache.ks_scores, cache.ks_pos
     else:
-        score, ks_scores = jnp.zeros((b, 1), F32), jnp.zeros((b, 1), F32)
-        ks_pos = jnp.zeros((b, 1), jnp.int32)
+        features, weight, bias = jnp.zeros((b, 1), F32), jnp.zeros((1,), F32), jnp.zeros((1,), F32)
+        ks_scores, ks_pos = jnp.zeros((b, 1), F32), jnp.zeros((b, 1), jnp.int32)
     row = lambda *tail: pl.BlockSpec((None, *tail), lambda i: (i,) + (0,) * len(tail))  # noqa: E731
     whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
-    args = (t.reshape(1), q, k, v, score, hash_proj, cache.q_sum, cache.k_sum, table,
-            ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
-    in_specs = [whole(args[0]), row(n), row(n), row(e), row(1), whole(hash_proj), row(n), row(n),
-                row(*table.shape[1:]), row(ks_scores.shape[1]), row(ks_pos.shape[1]),
-                row(capacity, n), row(capacity, e)]  # fmt: skip
+    args = (t.reshape(1), q, k, v, features, weight, bias, hash_proj, cache.q_sum, cache.k_sum,
+            table, ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
+    in_specs = [whole(args[0]), row(n), row(n), row(e), row(features.shape[1]), whole(weight),
+                whole(bias), whole(hash_proj), row(n), row(n), row(*table.shape[1:]),
+                row(ks_scores.shape[1]), row(ks_pos.shape[1]), row(capacity, n),
+                row(capacity, e)]  # fmt: skip
     slots = _pow2(len(spec.components) * spec.keys_per_component)
     out_shape = (jax.ShapeDtypeStruct((b, slots), jnp.int32), cache.q_sum, cache.k_sum, table,
                  ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
@@ -228,30 +256,34 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
         select,
         grid=(b,),
         in_specs=in_specs,
-        out_specs=[row(slots)] + in_specs[6:],
+        out_specs=[row(slots)] + in_specs[8:],
         out_shape=out_shape,
         # Every part of the state is updated in place (the program writes a few rows of it).
-        input_output_aliases={6: 1, 7: 2, 8: 3, 9: 4, 10: 5, 11: 6, 12: 7},
+        input_output_aliases={8: 1, 9: 2, 10: 3, 11: 4, 12: 5, 13: 6, 14: 7},
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
     )(*args)
     at = lambda block: lambda i, c: (i,) + block(c)  # noqa: E731
-    o = pl.pallas_call(
-        functools.partial(_attend_kernel, capacity=capacity),
+    o, t = pl.pallas_call(
+        _attend_kernel,
         grid=(b, e // chunk),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, c: (0,)),
             pl.BlockSpec((None, n), at(lambda c: (0,))),
             pl.BlockSpec((None, slots), at(lambda c: (0,))),
             pl.BlockSpec((None, capacity, n), at(lambda c: (0, 0))),
             pl.BlockSpec((None, capacity, chunk), at(lambda c: (0, c))),
+            pl.BlockSpec((1,), lambda i, c: (0,)),
         ],
-        out_specs=pl.BlockSpec((None, chunk), at(lambda c: (c,))),
-        out_shape=jax.ShapeDtypeStruct((b, e), v.dtype),
+        out_specs=[
+            pl.BlockSpec((None, chunk), at(lambda c: (c,))),
+            pl.BlockSpec((1,), lambda i, c: (0,)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, e), v.dtype), jax.ShapeDtypeStruct((1,), jnp.int32)],
+        input_output_aliases={4: 1},
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
-    )(args[0], q, j, keys, values)
-    new = dict(keys=keys, values=values, t=t + 1, q_sum=q_sum, k_sum=k_sum)
+    )(q, j, keys, values, args[0])
+    new = dict(keys=keys, values=values, t=t.reshape(()), q_sum=q_sum, k_sum=k_sum)
     if spec.has("lsh"):
         new["lsh_table"] = table
     if spec.has("ks"):

@@ -9,7 +9,13 @@ import jax.numpy as jnp
 from .. import backend
 from ..checks import check_float, check_shape
 from . import decode_pallas, pallas
-from .decode import SparseAttentionCache, init_cache_arrays, prefill_arrays, step_arrays
+from .decode import (
+    LinearScore,
+    SparseAttentionCache,
+    init_cache_arrays,
+    prefill_arrays,
+    step_arrays,
+)
 from .indexed import sparse_attention_indexed
 from .reference import sparse_attention_reference
 from .spec import SparseSpec, check_positive_int
@@ -267,7 +273,8 @@ def picks_step_pallas(spec, n, e, impl) -> bool:
 def sparse_attention_step(q, k, v, cache, *, spec, hash_proj=None, key_score=None, impl="auto"):
     """One decode step of `sparse_attention`: (o (b, e) in v.dtype, the updated cache).
 
-    q, k (b, n); v (b, e); hash_proj (n, spec.hash_bits) for lsh; key_score (b,) for ks; cache
+    q, k (b, n); v (b, e); hash_proj (n, spec.hash_bits) for lsh; key_score (b,) for ks (or a
+    LinearScore: the scorer's last layer, applied inside the Pallas step's kernel); cache
     from `init_cache` with the same spec. Writes k, v at position cache.t and attends as query t
     of the parallel op would, touching O(num_keys) cache rows ("full" reads all of them).
     ValueError naming capacity when cache.t is concrete and already equals capacity; under an
@@ -290,14 +297,31 @@ def sparse_attention_step(q, k, v, cache, *, spec, hash_proj=None, key_score=Non
     _validate_hash_proj(spec, hash_proj, n)
     _check_cache(cache, b, n, e, spec)
     if spec.has("ks"):
-        if key_score is None:
-            raise ValueError(f"key_score (b,) is required by 'ks' in pattern {spec.pattern!r}")
-        check_shape("key_score", key_score, (b,), "(b,)")
-        check_float("key_score", key_score)
+        _check_key_score(key_score, b, spec)
     if not isinstance(cache.t, jax.core.Tracer) and int(cache.t) >= capacity:
         raise ValueError(f"cache is full: t = {int(cache.t)} reached capacity = {capacity}")
     step = _step_pallas_jit if picks_step_pallas(spec, n, e, impl) else _step_jit
     return step(q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=key_score)
+
+
+def _check_key_score(key_score, b, spec):
+    """key_score is a float (b,) array, or a LinearScore of features (b, m), weight (m,) and a
+    scalar bias, all float."""
+    if key_score is None:
+        raise ValueError(f"key_score (b,) is required by 'ks' in pattern {spec.pattern!r}")
+    if not isinstance(key_score, LinearScore):
+        check_shape("key_score", key_score, (b,), "(b,)")
+        check_float("key_score", key_score)
+        return
+    features, weight, bias = key_score
+    if features.ndim != 2:
+        raise ValueError(f"key_score.features must be (b, m), got shape {features.shape}")
+    m = features.shape[1]
+    check_shape("key_score.features", features, (b, m), "(b, m)")
+    check_shape("key_score.weight", weight, (m,), "(m,)")
+    check_shape("key_score.bias", bias, (), "()")
+    for name, arr in zip(LinearScore._fields, key_score):
+        check_float(f"key_score.{name}", arr)
 
 
 def _check_cache(cache, b, n, e, spec):

@@ -19,6 +19,7 @@ from sparse_cases import (
 )
 
 from pallas_kernels.sparse_attention import (
+    LinearScore,
     SparseSpec,
     init_cache,
     prefill_cache,
@@ -202,6 +203,17 @@ def test_bad_step_arguments_raise():
     wider = init_cache(B_, 4, N_, E_, spec=SparseSpec("lsh+ks", 4, hash_bits=H_ + 1))
     with pytest.raises(ValueError, match="cache.lsh_table must have shape"):
         sparse_attention_step(q, k, v, wider, spec=spec, hash_proj=hash_proj, key_score=score)
+    bad_weight = LinearScore(jnp.zeros((B_, 5)), jnp.zeros((4,)), jnp.zeros(()))
+    with pytest.raises(ValueError, match="key_score.weight must have shape \\(m,\\) = \\(5,\\)"):
+        sparse_attention_step(q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=bad_weight)
+    int_bias = LinearScore(jnp.zeros((B_, 5)), jnp.zeros((5,)), jnp.zeros((), jnp.int32))
+    with pytest.raises(ValueError, match="key_score.bias must have a floating dtype"):
+        sparse_attention_step(q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=int_bias)
+    flat = LinearScore(jnp.zeros((B_,)), jnp.zeros((1,)), jnp.zeros(()))
+    with pytest.raises(
+        ValueError, match="key_score.features must be \\(b, m\\), got shape \\(2,\\)"
+    ):
+        sparse_attention_step(q, k, v, cache, spec=spec, hash_proj=hash_proj, key_score=flat)
     with pytest.raises(ValueError, match="v must have shape \\(b, e\\) = \\(2, 6\\)"):
         sparse_attention_step(
             q, k, v[:, :3], cache, spec=spec, hash_proj=hash_proj, key_score=score

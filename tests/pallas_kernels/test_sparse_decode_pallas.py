@@ -14,6 +14,7 @@ from sparse_cases import TOL, make_inputs
 
 from pallas_kernels.backend import lower_for
 from pallas_kernels.sparse_attention import (
+    LinearScore,
     SparseSpec,
     init_cache,
     sparse_attention_reference,
@@ -107,6 +108,38 @@ def test_kernel_step_past_capacity_gives_nan_and_keeps_the_buffers():
     assert np.all(np.isnan(o))
     np.testing.assert_array_equal(full.keys, cache.keys)
     np.testing.assert_array_equal(full.values, cache.values)
+
+
+def test_kernel_applies_the_scorers_last_layer():
+    """A LinearScore (features (b, 5): padded to 8 inside) gives the step it scores: the kernel's
+    cache and outputs equal step_arrays' given features @ weight + bias. Small integers, so every
+    sum is exact in any order and ks still sees ties."""
+    spec = SparseSpec("lsh+ks", 8, hash_bits=H)
+    l, m = 21, 5
+    inputs = _inputs(B, l, N, E, H)
+    rng = np.random.default_rng(1)
+    features = jnp.asarray(rng.integers(-2, 3, (B, l, m)), jnp.float32)
+    weight, bias = jnp.asarray([1.0, -1.0, 2.0, 0.0, 1.0]), jnp.asarray(0.5)
+    inputs["key_scores"] = features @ weight + bias
+
+    @jax.jit
+    def by_layer(cache):
+        def body(cache, x):
+            q, k, v, f = x
+            score = LinearScore(f, weight, bias)
+            o, cache = step_pallas(q, k, v, cache, spec=spec, hash_proj=inputs["hash_proj"],
+                                   key_score=score)  # fmt: skip
+            return cache, o
+
+        seq = [jnp.moveaxis(x, 1, 0) for x in (inputs["q"], inputs["k"], inputs["v"], features)]
+        cache, o_lbe = jax.lax.scan(body, cache, seq)
+        return jnp.moveaxis(o_lbe, 0, 1), cache
+
+    cache = init_cache(B, l, N, E, spec=spec)
+    o, kernel_cache = by_layer(cache)
+    want, plain_cache = _decode(cache, inputs, step=step_arrays, spec=spec)
+    assert_close(o, want, TOL[jnp.float32], "o")
+    _assert_caches_equal(kernel_cache, plain_cache, TOL[jnp.float32])
 
 
 def test_impl_picks_the_kernel_and_refuses_what_it_cannot_run():
