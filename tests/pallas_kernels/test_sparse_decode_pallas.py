@@ -12,6 +12,7 @@ import pytest
 from kernel_checks import COMPILED, assert_close
 from sparse_cases import TOL, make_inputs
 
+from pallas_kernels import backend
 from pallas_kernels.backend import lower_for
 from pallas_kernels.sparse_attention import (
     LinearScore,
@@ -144,7 +145,8 @@ def test_kernel_applies_the_scorers_last_layer():
 
 def test_impl_picks_the_kernel_and_refuses_what_it_cannot_run():
     spec = SparseSpec("lsh+ks", 8, hash_bits=H)
-    assert not picks_step_pallas(spec, N, E, "auto")  # on CPU: the plain-JAX step
+    # auto: the kernel on a GPU, the plain-JAX step elsewhere
+    assert picks_step_pallas(spec, N, E, "auto") == backend.kernels_by_default()
     assert not picks_step_pallas(spec, N, E, "indexed")
     assert picks_step_pallas(spec, N, E, "pallas")
     assert unsupported(spec, 12, E) == "the key dim n = 12 is not a power of two"
