@@ -165,8 +165,8 @@ _DECODE_STATIC = ("graphdef", "sampling", "max_new_tokens", "return_logits", "pa
 _decode = jax.jit(_decode_loop, static_argnames=_DECODE_STATIC)
 # On a GPU, XLA records the loop body's kernels into a CUDA graph as one serial chain by default;
 # CONCURRENT orders them only by the buffers they share, so independent kernels run at once (the
-# sparse branch's beside its mixer's: at batch 1 each uses a few SMs). BENCHMARKS.md, "Generation
-# speed": HAX-Mamba-2 130M's token 1.3x faster, Mamba-2's 1.1x.
+# sparse branch's beside its mixer's: at batch 1 each uses a few SMs). One H200, batch 1: the whole
+# generate call 22% shorter for HAX-Mamba-2 130M, 8% for Mamba-2 (BENCHMARKS.md, 33rd session).
 CONCURRENT_CUDA_GRAPHS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 _decode_gpu = jax.jit(
     _decode_loop, static_argnames=_DECODE_STATIC, compiler_options=CONCURRENT_CUDA_GRAPHS
