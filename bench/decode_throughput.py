@@ -8,8 +8,8 @@ Random models computing in bf16 (the speed does not depend on the weights), thei
 parameters stored in bf16 as mamba_ssm's peer's are (--params float32: as trained, fp32 parameters
 cast inside the program; rows before 2026-11-28 ran that way), random prompts of --prompt tokens,
 greedy decoding of exactly --new tokens (no stop token). For each batch size it times the prefill
-alone (max_new_tokens=1) and the whole call, each the best of --repeats after a compiling call, and
-reports
+alone (max_new_tokens=1) and the whole call, each the best of --repeats (taken in turn) after a
+compiling call, and reports
   decode tokens/s = batch * (new - 1) / (whole - prefill)   (the recurrent steps alone)
   overall tokens/s = batch * new / whole                   (the Mamba paper's throughput: prefill
   included)
@@ -56,14 +56,17 @@ MODELS = {
 }
 
 
-def best_time(fn, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls (fn blocks until its result is on the host)."""
-    times = []
+def best_times(fns, repeats: int) -> list[float]:
+    """Seconds of the fastest of `repeats` calls of each fn (each blocks until its result is on the
+    host), the fns taken in turn within a repeat: a drift of the machine's speed (clocks, another
+    process) reaches them alike, so the difference of their times keeps less of it."""
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for fn, seconds in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return [min(seconds) for seconds in times]
 
 
 def random_model(name: str, params: str = "bfloat16") -> LanguageModel:
@@ -78,17 +81,23 @@ def random_model(name: str, params: str = "bfloat16") -> LanguageModel:
 
 def decode_program_text(model, tokens) -> str:
     """The optimized HLO of the decode program generate compiles for `model` and `tokens`."""
-    compiled, decode = [], generation._decode
+    compiled, programs = [], ("_decode", "_decode_gpu")  # generate runs one, by backend
+    originals = {name: getattr(generation, name) for name in programs}
 
-    def recording(*args, **kwargs):
-        compiled.append(decode.lower(*args, **kwargs).compile().as_text())
-        return decode(*args, **kwargs)
+    def recording(decode):
+        def run(*args, **kwargs):
+            compiled.append(decode.lower(*args, **kwargs).compile().as_text())
+            return decode(*args, **kwargs)
 
-    generation._decode = recording
+        return run
+
+    for name, decode in originals.items():
+        setattr(generation, name, recording(decode))
     try:
         generate(model, tokens, 2)
     finally:
-        generation._decode = decode
+        for name, decode in originals.items():
+            setattr(generation, name, decode)
     return compiled[-1]
 
 
@@ -102,7 +111,7 @@ def ours(name: str, model, tokens, new: int, repeats: int, params="bfloat16") ->
     runs = {n: (lambda n=n: generate(model, tokens, n)) for n in (1, new)}
     for run in runs.values():
         run()  # compile
-    prefill, whole = (best_time(runs[n], repeats) for n in (1, new))
+    prefill, whole = best_times([runs[1], runs[new]], repeats)
     batch, prompt = tokens.shape
     return {**rates("hax_jax", name, batch, prompt, new, prefill, whole), "params": params}
 
@@ -156,7 +165,7 @@ def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
         torch.cuda.synchronize()
 
     run(new)  # warm up
-    prefill, whole = (best_time(lambda n=n: run(n), repeats) for n in (1, new))
+    prefill, whole = best_times([lambda: run(1), lambda: run(new)], repeats)
     fast = getattr(modeling_mamba2, "is_fast_path_available", None)
     out = rates("transformers", "mamba2_130m", batch, prompt, new, prefill, whole)
     return {**out, "kernels": "mamba_ssm/causal_conv1d" if fast else "pure torch"}
