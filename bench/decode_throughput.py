@@ -19,10 +19,11 @@ min_new_tokens = max_new_tokens) is timed the same way in the same process; what
 which.
 
 --profile N (GPU) also traces our prefill-only and whole calls and prints, per (model, batch), the
-kernel time a decoded token costs against its wall time (the difference is launch and host time) and
-the N kernels that cost most a token (the whole call's kernel time less the prefill's, over new - 1
-tokens); --hlo-dir writes each decode program's optimized HLO (`<model>_b<batch>.hlo.txt`), which
-names those kernels (XLA's fusions by their HLO name).
+kernel time a decoded token costs against its wall time (kernels that generate's concurrent CUDA
+graphs run at once each count whole, so the sum may pass the wall time; below it, the rest is
+launch and host time) and the N kernels that cost most a token (the whole call's kernel time less
+the prefill's, over new - 1 tokens); --hlo-dir writes each decode program's optimized HLO
+(`<model>_b<batch>.hlo.txt`), which names those kernels (XLA's fusions by their HLO name).
 """
 
 import argparse
