@@ -168,7 +168,8 @@ def test_impl_picks_the_kernel_and_refuses_what_it_cannot_run():
 
 @pytest.mark.parametrize("pattern, binning", [("lsh+ks", "sign"), ("sw+dilated+ks", "argmax")])
 def test_kernel_lowers_for_cuda_at_the_hax_130m_shapes(pattern, binning):
-    """Cross-lowered (no GPU needed): n 128, e 1536, 64 keys, 8 hash bits, bf16 buffers."""
+    """Cross-lowered (no GPU needed): n 128, e 1536, 64 keys, 8 hash bits, bf16 buffers, the key
+    score as the HaxBranch step gives it (the scorer's last layer, 256 features)."""
     spec = SparseSpec(pattern, 64, hash_bits=8, binning=binning, max_len=2048)
     b, capacity, n, e = 1, 2176, 128, 1536
     cache = init_cache(b, capacity, n, e, spec=spec, dtype=jnp.bfloat16)
@@ -177,7 +178,8 @@ def test_kernel_lowers_for_cuda_at_the_hax_130m_shapes(pattern, binning):
     step = functools.partial(step_pallas, spec=spec, interpret=False)
     text = lower_for(
         "cuda", step, q, k, jnp.zeros((b, e), jnp.bfloat16), cache,
-        hash_proj=jnp.zeros((n, 8)), key_score=jnp.zeros((b,)),
+        hash_proj=jnp.zeros((n, 8)),
+        key_score=LinearScore(jnp.zeros((b, 2 * n)), jnp.zeros((2 * n,)), jnp.zeros(())),
     )  # fmt: skip
     assert "triton_kernel_call" in text or "__gpu$xla.gpu.triton" in text
 
