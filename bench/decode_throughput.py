@@ -82,23 +82,18 @@ def random_model(name: str, params: str = "bfloat16") -> LanguageModel:
 
 def decode_program_text(model, tokens) -> str:
     """The optimized HLO of the decode program generate compiles for `model` and `tokens`."""
-    compiled, programs = [], ("_decode", "_decode_gpu")  # generate runs one, by backend
-    originals = {name: getattr(generation, name) for name in programs}
+    compiled, program = [], generation._decode_program
 
-    def recording(decode):
-        def run(*args, **kwargs):
-            compiled.append(decode.lower(*args, **kwargs).compile().as_text())
-            return decode(*args, **kwargs)
+    def recording(*args, **kwargs):
+        decode = program()
+        compiled.append(decode.lower(*args, **kwargs).compile().as_text())
+        return decode(*args, **kwargs)
 
-        return run
-
-    for name, decode in originals.items():
-        setattr(generation, name, recording(decode))
+    generation._decode_program = lambda: recording
     try:
         generate(model, tokens, 2)
     finally:
-        for name, decode in originals.items():
-            setattr(generation, name, decode)
+        generation._decode_program = program
     return compiled[-1]
 
 

@@ -173,6 +173,11 @@ _decode_gpu = jax.jit(
 )
 
 
+def _decode_program():
+    """The jitted decode loop generate runs on this backend."""
+    return _decode_gpu if jax.default_backend() == "gpu" else _decode
+
+
 def generate(
     model: LanguageModel,
     tokens,
@@ -211,8 +216,7 @@ def generate(
     graphdef, state = nnx.split(model)
     capacity = width + max_new_tokens
     last, cache = _prefill(graphdef, state, jnp.asarray(prompts[:, :start]), capacity=capacity)
-    decode = _decode_gpu if jax.default_backend() == "gpu" else _decode
-    out, count, out_logits = decode(
+    out, count, out_logits = _decode_program()(
         graphdef,
         state,
         _decode_copies(graphdef, state),

@@ -84,17 +84,13 @@ def test_the_decode_loop_reads_kernels_copied_rows_first_before_it(name, monkeyp
     XLA made those one-row matmuls a multiply and a column reduction), and not joined again each
     token (on a GPU, XLA left such a join inside the loop: 42% of a 2.7B token)."""
     model = _model(name)
-    traced = []
+    traced, decode = [], generation._decode_program()
 
-    def tracing(decode):
-        def run(*args, **kwargs):
-            traced.append(decode.trace(*args, **kwargs).jaxpr.jaxpr)
-            return decode(*args, **kwargs)
+    def tracing(*args, **kwargs):
+        traced.append(decode.trace(*args, **kwargs).jaxpr.jaxpr)
+        return decode(*args, **kwargs)
 
-        return run
-
-    for program in ("_decode", "_decode_gpu"):  # whichever this backend runs
-        monkeypatch.setattr(generation, program, tracing(getattr(generation, program)))
+    monkeypatch.setattr(generation, "_decode_program", lambda: tracing)
     generate(model, _batch()[0], 3)
     # (in, out) of every kernel the step multiplies by; not the scorer's last layer, which the
     # step hands to the sparse attention as a LinearScore of its copy's one row.
