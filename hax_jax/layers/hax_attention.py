@@ -101,12 +101,8 @@ class KeyScorer(nnx.Module):
     def linear_score(self, k: jax.Array, q_sum: jax.Array) -> LinearScore:
         """The scores as the last layer still to apply: the decode step's kernel applies it (one
         GEMV and one bias kernel fewer a layer and token)."""
-        if self.fc3.decoding is None:
-            weight, bias = self.fc3.kernel[...][:, 0], self.fc3.bias[...][0]
-        else:  # generate's copy, rows first (layers/linear.py)
-            rows, bias = self.fc3.decoding
-            weight, bias = rows[0], bias[0]
-        return LinearScore(self._hidden(k, q_sum), weight, bias)
+        rows, bias = self.fc3.rows()  # (1, 2N), (1,)
+        return LinearScore(self._hidden(k, q_sum), rows[0], bias[0])
 
     def _hidden(self, k: jax.Array, q_sum: jax.Array) -> jax.Array:
         """The input of the last layer, (..., 2N) fp32."""

@@ -27,6 +27,11 @@ class Linear(nnx.Linear):
         kernel, bias = self.promote_dtype((self.kernel[...], bias), dtype=self.dtype)
         return rows_first(kernel), bias
 
+    def rows(self) -> tuple[jax.Array, jax.Array | None]:
+        """(the kernel rows first, the bias) as __call__ reads them: the decode copy if one is
+        given, else made from the kernel now."""
+        return self.decode_copy() if self.decoding is None else self.decoding
+
     def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
         if self.decoding is None:
             return super().__call__(x, out_sharding)
