@@ -2,7 +2,7 @@
 transformers' generate (mamba_ssm's: bench/decode_mamba_ssm.py).
 
     python bench/decode_throughput.py [--batches 1,64] [--prompt 2048] [--new 128] [--peer]
-        [--params bfloat16|float32] [--profile N] [--hlo-dir DIR]
+        [--params bfloat16|float32] [--profile N] [--hlo-dir DIR] [--timeline KERNEL]
 
 Random models computing in bf16 (the speed does not depend on the weights), their floating
 parameters stored in bf16 as mamba_ssm's peer's are (--params float32: as trained, fp32 parameters
@@ -15,8 +15,7 @@ compiling call, and reports
   included)
 With --peer, transformers' Mamba2ForCausalLM (same architecture, bf16, cached generate, greedy,
 min_new_tokens = max_new_tokens) is timed the same way in the same process; what it runs
-(CUDA/Triton kernels or its pure-torch path) depends on what is installed, and the output says
-which.
+(CUDA/Triton kernels or pure torch) depends on what is installed, and the output says which.
 
 --profile N (GPU) also traces our prefill-only and whole calls and prints, per (model, batch), the
 kernel time a decoded token costs against its wall time (kernels that generate's concurrent CUDA
@@ -24,6 +23,10 @@ graphs run at once each count whole, so the sum may pass the wall time; below it
 launch and host time) and the N kernels that cost most a token (the whole call's kernel time less
 the prefill's, over new - 1 tokens); --hlo-dir writes each decode program's optimized HLO
 (`<model>_b<batch>.hlo.txt`), which names those kernels (XLA's fusions by their HLO name).
+
+--timeline KERNEL (GPU): a traced generate call's (32 new tokens) middle decode step (span, busy,
+kernel sum) and its middle layer's kernels by start; KERNEL begins the name of a kernel run once a
+layer and token (`_select_kernel` in HAX). Traced steps run slower: read order and overlap.
 """
 
 import argparse
@@ -131,6 +134,17 @@ def decode_profile(name, model, tokens, new, top: int, hlo_dir: Path | None) -> 
     }
 
 
+def print_timeline(name, model, tokens, anchor: str) -> None:
+    """Prints `timing.layer_timeline_us` of one traced generate call (32 new tokens) of `model`."""
+    layers = model.cfg.n_layer
+    data = timing.trace(lambda: generate(model, tokens, 32), reps=1)
+    t = timing.layer_timeline_us(data, anchor, layers, layers // 2)
+    sums = ", ".join(f"{k} {v:.1f}" for k, v in t.items() if k != "layer_kernels")
+    print(f"{name} b{tokens.shape[0]}, layer {layers // 2}: {sums}")
+    for start, length, stream, kernel in t["layer_kernels"]:
+        print(f"  {start:7.2f} +{length:6.2f}  {stream[-12:]:>12}  {kernel[:70]}", flush=True)
+
+
 def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
     """transformers' Mamba2ForCausalLM.generate, the same architecture as mamba2_130m."""
     import torch
@@ -200,6 +214,7 @@ def main() -> None:
     parser.add_argument("--write", default="")
     parser.add_argument("--profile", type=int, default=0, help="list this many top GPU kernels")
     parser.add_argument("--hlo-dir", type=Path, help="write each decode program's HLO here")
+    parser.add_argument("--timeline", metavar="KERNEL", help="one layer's kernels in a step")
     args = parser.parse_args()
     names = timing.known_names(parser, "--models", args.models.split(","), MODELS)
     timing.check_sizes(parser, args, zero_ok=("profile",))
@@ -217,6 +232,8 @@ def main() -> None:
             if args.profile or args.hlo_dir:
                 profile = decode_profile(name, model, tokens, args.new, args.profile, args.hlo_dir)
                 print(json.dumps(profile), flush=True)
+            if args.timeline:
+                print_timeline(name, model, tokens, args.timeline)
             del model  # a 2.7B model's weights freed before the next one's
         if args.peer:
             try:

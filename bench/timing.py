@@ -185,6 +185,41 @@ def timeline_us(data, reps, gaps=0):
     return result
 
 
+def layer_timeline_us(data, anchor: str, layers: int, layer: int):
+    """One decode step's kernels around one layer, from a trace of a decode loop (`trace`): the
+    kernels whose name starts with `anchor` run once a layer and step and mark where each layer
+    starts. Of the middle step: its span, the time some kernel runs (busy) and the kernels' sum
+    (above busy: kernels ran at once), in us; and of its layer `layer`, each kernel as (start
+    from the layer's anchor, duration, stream, name), the anchor's first. ValueError when fewer
+    than two steps of anchors are traced."""
+    events = sorted(
+        (e.start_ns, e.end_ns, line.name, e.name)
+        for _, line in _kernel_lines(data, "/device:GPU")
+        for e in line.events
+    )
+    starts = [s for s, _, _, name in events if name.startswith(anchor)]
+    steps = len(starts) // layers
+    if steps < 2:
+        raise ValueError(f"{len(starts)} kernels named {anchor}*: not two steps of {layers} layers")
+    first = (steps // 2) * layers
+    begin, end = starts[first], starts[first + layers]
+    step = [(s, e) for s, e, _, _ in events if begin <= s < end]
+    busy = sum(e - s for s, e in zip(*_merged(step)))
+    layer_begin, layer_end = starts[first + layer], starts[first + layer + 1]
+    kernels = [
+        ((s - layer_begin) / 1e3, (e - s) / 1e3, stream, name)
+        for s, e, stream, name in events
+        if layer_begin <= s < layer_end
+    ]
+    return {
+        "step_us": (end - begin) / 1e3,
+        "busy_us": busy / 1e3,
+        "kernel_sum_us": sum(e - s for s, e in step) / 1e3,
+        "layer_us": (layer_end - layer_begin) / 1e3,
+        "layer_kernels": kernels,
+    }
+
+
 def print_step_profile(name: str, one_step, top: int, reps: int = 3) -> None:
     """Profiles `reps` calls of one_step() (a train step) and prints each GPU's timeline (compute,
     NCCL, exposed NCCL, idle; the longest idle gaps), then the `top` costliest kernels of the

@@ -58,3 +58,23 @@ def test_full_collections_records_only_full_passes_inside_the_block():
         gc.collect()
     gc.collect()
     assert len(pauses) == 1 and pauses[0] > 0
+
+
+def test_layer_timeline_on_a_hand_made_trace():
+    """Two layers a step, three steps traced; anchor "sel" starts each layer (at 0, 10, ..., 50
+    us). The middle step is [20, 40) us, where "x" and "y" overlap; its layer 1, [30, 40) us,
+    holds sel and "z" (another stream)."""
+    sel = [_event(t * 1000, t * 1000 + 2000, "sel_kernel") for t in (0, 10, 20, 30, 40, 50)]
+    other = [_event(21_000, 26_000, "x"), _event(33_000, 36_000, "z")]
+    data = _trace(sel, other + [_event(24_000, 28_000, "y")])
+    got = timing.layer_timeline_us(data, "sel", layers=2, layer=1)
+    # step [20, 40): sel [20, 22) and [30, 32), x [21, 26), y [24, 28), z [33, 36)
+    assert got["step_us"] == 20.0 and got["layer_us"] == 10.0
+    assert got["busy_us"] == 8.0 + 2.0 + 3.0  # [20, 28) + [30, 32) + [33, 36)
+    assert got["kernel_sum_us"] == 2 + 2 + 5 + 4 + 3
+    assert got["layer_kernels"] == [
+        (0.0, 2.0, "Stream #0", "sel_kernel"),
+        (3.0, 3.0, "Stream #1", "z"),
+    ]
+    with pytest.raises(ValueError, match="3 kernels named nope"):
+        timing.layer_timeline_us(_trace([_event(0, 1, "nope")] * 3), "nope", layers=2, layer=0)
