@@ -2,11 +2,13 @@
 transformers' generate (mamba_ssm's: bench/decode_mamba_ssm.py).
 
     python bench/decode_throughput.py [--batches 1,64] [--prompt 2048] [--new 128] [--peer]
-        [--params bfloat16|float32] [--profile N] [--hlo-dir DIR] [--timeline KERNEL]
+        [--params bfloat16|float32] [--set KEY=VALUE ...] [--profile N] [--hlo-dir DIR]
+        [--timeline KERNEL]
 
 Random models computing in bf16 (the speed does not depend on the weights), their floating
 parameters stored in bf16 as mamba_ssm's peer's are (--params float32: as trained, fp32 parameters
-cast inside the program; rows before 2026-11-28 ran that way), random prompts of --prompt tokens,
+cast inside the program; rows before 2026-11-28 ran that way; --set model.KEY=VALUE changes our
+models' configs), random prompts of --prompt tokens,
 greedy decoding of exactly --new tokens (no stop token). For each batch size it times the prefill
 alone (max_new_tokens=1) and the whole call, each the best of --repeats (taken in turn) after a
 compiling call, and reports
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import timing  # noqa: E402
-from hax_jax.config import load_config_file  # noqa: E402
+from hax_jax.config import apply_overrides, load_config_file  # noqa: E402
 from hax_jax.generate import generate  # noqa: E402
 from hax_jax.models.lm import LanguageModel  # noqa: E402
 
@@ -73,9 +75,11 @@ def best_times(fns, repeats: int) -> list[float]:
     return [min(seconds) for seconds in times]
 
 
-def random_model(name: str, params: str = "bfloat16") -> LanguageModel:
-    """Model `name` with random weights, computing in bf16, its floating parameters in `params`."""
-    cfg = dataclasses.replace(load_config_file(ROOT / MODELS[name]).model, dtype="bfloat16")
+def random_model(name: str, params: str = "bfloat16", overrides=()) -> LanguageModel:
+    """Model `name` with random weights, computing in bf16, its floating parameters in `params`,
+    its config with `overrides` ("model.key=value") applied."""
+    config = apply_overrides(load_config_file(ROOT / MODELS[name]), overrides)
+    cfg = dataclasses.replace(config.model, dtype="bfloat16")
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     if params != "float32":  # as a model is served: floating parameters stored in bf16
         cast = lambda x: x.astype(params) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
@@ -132,17 +136,6 @@ def decode_profile(name, model, tokens, new, top: int, hlo_dir: Path | None) -> 
         "kernel_us_per_token": round(sum(per_token.values()), 1),
         "top_kernels_us_per_token": {k[:100]: round(us, 2) for k, us in ranked},
     }
-
-
-def print_timeline(name, model, tokens, anchor: str) -> None:
-    """Prints `timing.layer_timeline_us` of one traced generate call (32 new tokens) of `model`."""
-    layers = model.cfg.n_layer
-    data = timing.trace(lambda: generate(model, tokens, 32), reps=1)
-    t = timing.layer_timeline_us(data, anchor, layers, layers // 2)
-    sums = ", ".join(f"{k} {v:.1f}" for k, v in t.items() if k != "layer_kernels")
-    print(f"{name} b{tokens.shape[0]}, layer {layers // 2}: {sums}")
-    for start, length, stream, kernel in t["layer_kernels"]:
-        print(f"  {start:7.2f} +{length:6.2f}  {stream[-12:]:>12}  {kernel[:70]}", flush=True)
 
 
 def peer(batch: int, prompt: int, new: int, repeats: int) -> dict:
@@ -204,12 +197,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--params",
-        choices=("bfloat16", "float32"),
-        default="bfloat16",
-        help="our models' parameter dtype (compute is bf16 either way; mamba_ssm's peer: bf16)",
-    )
+    parser.add_argument("--params", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for our models")
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--write", default="")
     parser.add_argument("--profile", type=int, default=0, help="list this many top GPU kernels")
@@ -221,11 +210,16 @@ def main() -> None:
     if args.hlo_dir:
         timing.make_dir(parser, "--hlo-dir", args.hlo_dir)
     batches = timing.ascending_ints(args.batches, "--batches")
+    for name in names:  # a bad --set named before anything compiles
+        try:
+            apply_overrides(load_config_file(ROOT / MODELS[name]), args.set)
+        except ValueError as err:
+            parser.error(f"--set: {err}")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     results = []
     for batch in batches:
         for name in names:
-            model = random_model(name, args.params)
+            model = random_model(name, args.params, args.set)
             tokens = random_prompts(model, batch, args.prompt)
             results.append(ours(name, model, tokens, args.new, args.repeats, args.params))
             print(json.dumps(results[-1]), flush=True)
@@ -233,7 +227,9 @@ def main() -> None:
                 profile = decode_profile(name, model, tokens, args.new, args.profile, args.hlo_dir)
                 print(json.dumps(profile), flush=True)
             if args.timeline:
-                print_timeline(name, model, tokens, args.timeline)
+                data = timing.trace(lambda m=model, t=tokens: generate(m, t, 32), reps=1)
+                label = f"{name} b{batch}"
+                timing.print_layer_timeline(data, args.timeline, model.cfg.n_layer, label)
             del model  # a 2.7B model's weights freed before the next one's
         if args.peer:
             try:

@@ -220,6 +220,16 @@ def layer_timeline_us(data, anchor: str, layers: int, layer: int):
     }
 
 
+def print_layer_timeline(data, anchor: str, layers: int, label: str) -> None:
+    """Prints `layer_timeline_us` of the middle layer: the step's sums, then a line a kernel."""
+    timeline = layer_timeline_us(data, anchor, layers, layers // 2)
+    kernels = timeline.pop("layer_kernels")
+    sums = ", ".join(f"{k} {v:.1f}" for k, v in timeline.items())
+    print(f"{label}, layer {layers // 2}: {sums}")
+    for start, length, stream, kernel in kernels:
+        print(f"  {start:7.2f} +{length:6.2f}  {stream[-12:]:>12}  {kernel[:70]}", flush=True)
+
+
 def print_step_profile(name: str, one_step, top: int, reps: int = 3) -> None:
     """Profiles `reps` calls of one_step() (a train step) and prints each GPU's timeline (compute,
     NCCL, exposed NCCL, idle; the longest idle gaps), then the `top` costliest kernels of the
