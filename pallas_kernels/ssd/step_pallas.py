@@ -34,25 +34,35 @@ def unsupported(p, n):
 def _update_kernel(
     x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, h_in, y_ref, h_ref, *, heads, per_group, programs
 ):
-    """Pairs first, first + programs, ... of the b * h (row, head) pairs; h_in aliases h_ref."""
+    """Pairs first, first + programs, ... of the b * h (row, head) pairs; h_in aliases h_ref.
+    Each pair's state is loaded one pair ahead, so its latency passes while the pair before is
+    updated and stored."""
     del h_in
     first = pl.program_id(0)
     pairs = y_ref.shape[0] * heads
 
-    def update(i, carry):
-        pair = first + i * programs
-        row, head = pair // heads, pair % heads
+    def row_head(i):
+        pair = jnp.minimum(first + i * programs, pairs - 1)  # past the last: read, never written
+        return pair // heads, pair % heads
+
+    def load_state(i):
+        row, head = row_head(i)
+        return h_ref[row, head, :, :]
+
+    def update(i, h_pn):
+        row, head = row_head(i)
+        next_h_pn = load_state(i + 1)
         group = head // per_group
         x_p = x_ref[row, head, :].astype(F32)
         dt = dt_ref[row, head]
-        h_pn = h_ref[row, head, :, :]
         B_n, C_n = B_ref[row, group, :].astype(F32), C_ref[row, group, :].astype(F32)
         h_pn = jnp.exp(dt * A_ref[head]) * h_pn + (dt * x_p)[:, None] * B_n[None, :]
         h_ref[row, head, :, :] = h_pn
         y_ref[row, head, :] = jnp.sum(h_pn * C_n[None, :], axis=1) + D_ref[head] * x_p
-        return carry
+        return next_h_pn
 
-    jax.lax.fori_loop(0, (pairs - first + programs - 1) // programs, update, 0)
+    count = (pairs - first + programs - 1) // programs
+    jax.lax.fori_loop(0, count, update, load_state(0))
 
 
 def ssm_step_pallas(h, x, dt, A, B, C, D, *, programs, interpret=None):
@@ -76,5 +86,7 @@ def ssm_step_pallas(h, x, dt, A, B, C, D, *, programs, interpret=None):
         out_shape=[jax.ShapeDtypeStruct((b, heads, p), F32), jax.ShapeDtypeStruct(h.shape, F32)],
         input_output_aliases={6: 1},
         interpret=interpret_for("gpu", interpret),
-        compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
+        # Two (p, n) fp32 states live a program (this pair's and the next): 8 warps keep them in
+        # registers at p 64, n 128 (64 values a thread).
+        compiler_params=compiler_params("gpu", num_warps=8, num_stages=1),
     )(*args)
