@@ -5,20 +5,24 @@ centring, hash and table, the running top-kc, the slot lists, the dedupe, two ga
 softmax); at batch 1 each runs for a few microseconds, so the branch cost more than the Mamba-2
 layer beside it (BENCHMARKS.md, "Generation speed"). Here:
 
-`_select_kernel`, one program a batch row:
+`_select_kernel`, one program a batch row, never reads ks's score, so it need not wait for the
+scorer (under concurrent CUDA graphs the two run at once):
 1. loads the old state (sums, the LSH table's two rows, the top-kc lists) and builds the slots:
    slot s belongs to component s // kc, at rank r = s % kc, in the pattern's order, as
    step_arrays concatenates them (padding slots to a power of two are never valid), de-duplicated;
    writes the selected positions (-1 where a slot is not valid, PAST_CAPACITY in every slot once
-   the cache is full); ks's score is the scorer's last layer, applied here (decode.LinearScore);
+   the cache is full). ks's slots are the old list's first kc - 1, which t's insertion keeps; its
+   last slot is contested (t's position or the old list's last, whichever t's score leaves in the
+   list), and the kernel writes what attend needs to settle it;
 2. barrier, then writes the new state in place: k and v at row t, the key bucket's table row
-   shifted left with t last, the top-kc lists with t's score inserted, the sums. The barrier
-   matters because a program's threads read and write the same rows.
+   shifted left with t last, the sums. The barrier matters because a program's threads read and
+   write the same rows.
 `_attend_kernel`, one program a batch row and chunk of the value columns (so that at batch 1 the
-value rows are gathered by many SMs at once): gathers the selected key rows, takes the softmax
-over the valid slots and gathers its chunk of the value rows. It runs after the first kernel,
-so it reads row t from the buffers; its first program advances t in place (one kernel fewer a
-layer than an add after it).
+value rows are gathered by many SMs at once): applies the scorer's last layer (decode.LinearScore)
+to settle the contested slot, gathers the selected key rows, takes the softmax over the valid
+slots and gathers its chunk of the value rows. It runs after the first kernel, so it reads row
+t from the buffers; a row's first program inserts t's score into the top-kc lists, and the first
+program of all advances t in place (one kernel fewer a layer than an add after it).
 
 Same contract as step_arrays, except past the cache's capacity, where both give NaN outputs but
 these kernels leave the buffers as they were (step_arrays's dynamic_update_slice writes the last
@@ -64,6 +68,12 @@ def _value_chunk(e):
     return min(MAX_VALUE_CHUNK, e & -e)
 
 
+def _contested_slot(spec):
+    """The slot of ks's last rank: t's position or the old list's last, by t's score."""
+    kc = spec.keys_per_component
+    return spec.components.index("ks") * kc + kc - 1
+
+
 def _buckets(x, x_sum, count, hash_proj, binning, hash_bits):
     """LSH bucket (int32 scalar) of x (n,) centred by its running mean x_sum / count, as
     reference.centred + lsh_buckets compute it (projections within NOISE_RTOL of zero count as
@@ -82,9 +92,9 @@ def _buckets(x, x_sum, count, hash_proj, binning, hash_bits):
 
 
 def _select_kernel(
-    t_ref, q_ref, k_ref, v_ref, feat_ref, weight_ref, bias_ref, hash_ref, qsum_ref, ksum_ref,
-    table_ref, kss_ref, ksp_ref, keys_in, values_in,
-    j_ref, qsum_out, ksum_out, table_out, kss_out, ksp_out, keys_ref, values_ref,
+    t_ref, q_ref, k_ref, v_ref, hash_ref, qsum_ref, ksum_ref, table_ref, kss_ref, ksp_ref,
+    keys_in, values_in,
+    j_ref, contest_ref, last_score_ref, qsum_out, ksum_out, table_out, keys_ref, values_ref,
     *, spec, capacity, chunk, compiled,
 ):  # fmt: skip
     kc, comps = spec.keys_per_component, spec.components
@@ -127,21 +137,9 @@ def _select_kernel(
             jc_s = jnp.where(bucket_q == bucket_k, new_row_s, query_row_s)
             okc_s = jc_s >= 0
             writes.append((table_out, (bucket_k_s, r_s), new_row_s))
-        else:  # ks: insert t's score after every kept score >= it (decode.insert_top)
-            score = jnp.sum(feat_ref[...] * weight_ref[...]) + bias_ref[0]
-            old_scores_s = kss_ref[r_s]
-            old_pos_s = ksp_ref[r_s]
-            at = jnp.sum(jnp.where(mine_s & (old_scores_s >= score), 1, 0))
-            down_s = jnp.maximum(r_s - 1, 0)
-            down_scores_s = jnp.where(r_s == 0, score, kss_ref[down_s])
-            down_pos_s = jnp.where(r_s == 0, t, ksp_ref[down_s])
-            before_s, here_s = r_s < at, r_s == at
-            new_scores_s = jnp.where(
-                before_s, old_scores_s, jnp.where(here_s, score, down_scores_s)
-            )
-            jc_s = jnp.where(before_s, old_pos_s, jnp.where(here_s, t, down_pos_s))
+        else:  # ks: the old list's first kc - 1; its last slot is t's or the old last's (attend)
+            jc_s = jnp.where(r_s == kc - 1, -1, ksp_ref[r_s])
             okc_s = jc_s >= 0
-            writes += [(kss_out, (r_s,), new_scores_s), (ksp_out, (r_s,), jc_s)]
         j_s = jnp.where(mine_s, jc_s, j_s)
         valid_s = jnp.where(mine_s, okc_s, valid_s)
     if len(comps) > 1:  # each position once, in its first slot (decode.step_dedupe)
@@ -150,6 +148,16 @@ def _select_kernel(
         valid_s = valid_s & (jnp.max(same_ss.astype(jnp.int32), axis=1) == 0)  # Triton: no any
     j_s = jnp.where(valid_s, j_s, -1)
     j_ref[...] = jnp.where(t < capacity, j_s, PAST_CAPACITY).astype(jnp.int32)
+    if spec.has("ks"):
+        # For attend, which knows t's score: t, the old last (position, score), and whether
+        # either is already in an earlier slot (then the contested slot repeats it).
+        old_last = ksp_ref[kc - 1]
+        earlier_s = valid_s & (s_s < _contested_slot(spec))
+        seen = lambda j: jnp.max(jnp.where(earlier_s & (j_s == j), 1, 0))  # noqa: E731
+        i_c = jnp.arange(4, dtype=jnp.int32)
+        contest_c = jnp.where(i_c == 0, t, jnp.where(i_c == 1, old_last, seen(t)))
+        contest_ref[...] = jnp.where(i_c == 3, seen(old_last), contest_c).astype(jnp.int32)
+        last_score_ref[...] = jnp.full((1,), kss_ref[kc - 1], F32)
 
     if compiled:  # the interpreter runs one thread: nothing to order
         pltriton.debug_barrier()  # every old row read before any is overwritten
@@ -178,17 +186,40 @@ def _select_kernel(
     jax.lax.fori_loop(0, v_ref.shape[0] // chunk, write_v, 0)
 
 
-def _attend_kernel(q_ref, j_ref, keys_ref, values_ref, t_in, o_ref, t_ref):
+def _attend_kernel(
+    q_ref, j_ref, contest_ref, last_score_ref, feat_ref, weight_ref, bias_ref, kss_in, ksp_in,
+    keys_ref, values_ref, t_in,
+    o_ref, kss_ref, ksp_ref, t_ref, *, spec, compiled,
+):  # fmt: skip
     """Softmax over the selected rows (j < 0: not selected) and this program's value columns;
-    the first program writes t + 1 over t (t_in aliases t_ref)."""
-    del t_in
+    with ks, t's score decides the contested slot, and the row's first program inserts it into
+    the top-kc lists; the first program of all writes t + 1 over t (each *_in aliases its
+    output)."""
+    del t_in, kss_in, ksp_in
+    first_of_row = pl.program_id(1) == 0
 
-    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+    @pl.when((pl.program_id(0) == 0) & first_of_row)
     def _():
         t_ref[...] = t_ref[...] + 1
 
     j_s = j_ref[...]
     full = jnp.min(j_s) == PAST_CAPACITY
+    if spec.has("ks"):
+        t, old_last = contest_ref[0], contest_ref[1]
+        score = jnp.sum(feat_ref[...] * weight_ref[...]) + bias_ref[0]
+        # decode.insert_top puts t after every kept score >= it: it stays iff the last is not.
+        enters = jnp.logical_not(last_score_ref[0] >= score)
+        contested = jnp.where(enters, t, old_last)
+        repeated = jnp.where(enters, contest_ref[2], contest_ref[3]) > 0
+        s_s = jnp.arange(j_s.shape[0], dtype=jnp.int32)
+        slot = _contested_slot(spec)
+        j_s = jnp.where((s_s > slot) & (j_s == contested), -1, j_s)  # its later repeats
+        j_s = jnp.where(s_s == slot, jnp.where(repeated, -1, contested), j_s)
+
+        @pl.when(first_of_row)
+        def _():
+            _insert_top(kss_ref, ksp_ref, score, t, spec.keys_per_component, compiled)
+
     valid_s = j_s >= 0
     j_s = jnp.where(valid_s, j_s, 0)
     q = q_ref[...].astype(F32)
@@ -202,6 +233,25 @@ def _attend_kernel(q_ref, j_ref, keys_ref, values_ref, t_in, o_ref, t_ref):
     o_c = jnp.sum(weights_s[:, None] * v_sc, axis=0) / jnp.where(denom > 0, denom, 1.0)
     nan_c = jnp.full(o_c.shape, jnp.nan, F32)
     o_ref[...] = jnp.where(full, nan_c, o_c).astype(o_ref.dtype)
+
+
+def _insert_top(scores_ref, pos_ref, score, t, kc, compiled):
+    """decode.insert_top in place on one row's lists (kc long): t's score after every kept score
+    >= it, the rest down one rank, the last dropped. Ranks padded to a power of two repeat the
+    last rank's read and write (the same value to the same place)."""
+    r_s = jnp.minimum(jnp.arange(_pow2(kc), dtype=jnp.int32), kc - 1)
+    old_scores_s, old_pos_s = scores_ref[r_s], pos_ref[r_s]
+    at = jnp.sum(jnp.where((r_s == jnp.arange(r_s.shape[0])) & (old_scores_s >= score), 1, 0))
+    down_s = jnp.maximum(r_s - 1, 0)
+    down_scores_s = jnp.where(r_s == 0, score, scores_ref[down_s])
+    down_pos_s = jnp.where(r_s == 0, t, pos_ref[down_s])
+    before_s, here_s = r_s < at, r_s == at
+    new_scores_s = jnp.where(before_s, old_scores_s, jnp.where(here_s, score, down_scores_s))
+    new_pos_s = jnp.where(before_s, old_pos_s, jnp.where(here_s, t, down_pos_s))
+    if compiled:  # every old rank read before any is overwritten
+        pltriton.debug_barrier()
+    scores_ref[r_s] = new_scores_s
+    pos_ref[r_s] = new_pos_s
 
 
 def _linear_score(key_score, b):
@@ -237,52 +287,74 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
         ks_scores, ks_pos = jnp.zeros((b, 1), F32), jnp.zeros((b, 1), jnp.int32)
     row = lambda *tail: pl.BlockSpec((None, *tail), lambda i: (i,) + (0,) * len(tail))  # noqa: E731
     whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
-    args = (t.reshape(1), q, k, v, features, weight, bias, hash_proj, cache.q_sum, cache.k_sum,
-            table, ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
-    in_specs = [whole(args[0]), row(n), row(n), row(e), row(features.shape[1]), whole(weight),
-                whole(bias), whole(hash_proj), row(n), row(n), row(*table.shape[1:]),
-                row(ks_scores.shape[1]), row(ks_pos.shape[1]), row(capacity, n),
-                row(capacity, e)]  # fmt: skip
+    args = (t.reshape(1), q, k, v, hash_proj, cache.q_sum, cache.k_sum, table, ks_scores, ks_pos,
+            cache.keys, cache.values)  # fmt: skip
+    in_specs = [whole(args[0]), row(n), row(n), row(e), whole(hash_proj), row(n), row(n),
+                row(*table.shape[1:]), row(ks_scores.shape[1]), row(ks_pos.shape[1]),
+                row(capacity, n), row(capacity, e)]  # fmt: skip
     slots = _pow2(len(spec.components) * spec.keys_per_component)
-    out_shape = (jax.ShapeDtypeStruct((b, slots), jnp.int32), cache.q_sum, cache.k_sum, table,
-                 ks_scores, ks_pos, cache.keys, cache.values)  # fmt: skip
-    out_shape = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out_shape)
+    # contest: t, the old list's last position, whether t / it already fill an earlier slot.
+    out_shape = ((b, slots), (b, 4), (b, 1), cache.q_sum, cache.k_sum, table, cache.keys,
+                 cache.values)  # fmt: skip
+    dtypes = (jnp.int32, jnp.int32, F32)
+    out_shape = tuple(
+        jax.ShapeDtypeStruct(x, dtypes[i]) if i < 3 else jax.ShapeDtypeStruct(x.shape, x.dtype)
+        for i, x in enumerate(out_shape)
+    )
     interpret = interpret_for("gpu", interpret)
     chunk = _value_chunk(e)
     select = functools.partial(
         _select_kernel, spec=spec, capacity=capacity, chunk=chunk, compiled=not interpret
     )
-    j, q_sum, k_sum, table, ks_scores, ks_pos, keys, values = pl.pallas_call(
+    j, contest, last_score, q_sum, k_sum, table, keys, values = pl.pallas_call(
         select,
         grid=(b,),
         in_specs=in_specs,
-        out_specs=[row(slots)] + in_specs[8:],
+        out_specs=[row(slots), row(4), row(1)] + in_specs[5:8] + in_specs[10:],
         out_shape=out_shape,
-        # Every part of the state is updated in place (the program writes a few rows of it).
-        input_output_aliases={8: 1, 9: 2, 10: 3, 11: 4, 12: 5, 13: 6, 14: 7},
+        # The state is updated in place (the program writes a few rows of it); the top-kc lists
+        # by the attend kernel, which knows t's score.
+        input_output_aliases={5: 3, 6: 4, 7: 5, 10: 6, 11: 7},
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
     )(*args)
     at = lambda block: lambda i, c: (i,) + block(c)  # noqa: E731
-    o, t = pl.pallas_call(
-        _attend_kernel,
+    by_row = lambda *tail: pl.BlockSpec((None, *tail), at(lambda c: (0,) * len(tail)))  # noqa: E731
+    one = pl.BlockSpec((1,), lambda i, c: (0,))
+    attend = functools.partial(_attend_kernel, spec=spec, compiled=not interpret)
+    o, ks_scores, ks_pos, t = pl.pallas_call(
+        attend,
         grid=(b, e // chunk),
         in_specs=[
-            pl.BlockSpec((None, n), at(lambda c: (0,))),
-            pl.BlockSpec((None, slots), at(lambda c: (0,))),
-            pl.BlockSpec((None, capacity, n), at(lambda c: (0, 0))),
+            by_row(n),
+            by_row(slots),
+            by_row(4),
+            by_row(1),
+            by_row(features.shape[1]),
+            pl.BlockSpec(weight.shape, lambda i, c: (0,)),
+            one,
+            by_row(ks_scores.shape[1]),
+            by_row(ks_pos.shape[1]),
+            by_row(capacity, n),
             pl.BlockSpec((None, capacity, chunk), at(lambda c: (0, c))),
-            pl.BlockSpec((1,), lambda i, c: (0,)),
-        ],
+            one,
+        ],  # fmt: skip
         out_specs=[
             pl.BlockSpec((None, chunk), at(lambda c: (c,))),
-            pl.BlockSpec((1,), lambda i, c: (0,)),
+            by_row(ks_scores.shape[1]),
+            by_row(ks_pos.shape[1]),
+            one,
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, e), v.dtype), jax.ShapeDtypeStruct((1,), jnp.int32)],
-        input_output_aliases={4: 1},
+        out_shape=[
+            jax.ShapeDtypeStruct((b, e), v.dtype),
+            jax.ShapeDtypeStruct(ks_scores.shape, ks_scores.dtype),
+            jax.ShapeDtypeStruct(ks_pos.shape, ks_pos.dtype),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        ],
+        input_output_aliases={7: 1, 8: 2, 11: 3},
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
-    )(q, j, keys, values, args[0])
+    )(q, j, contest, last_score, features, weight, bias, ks_scores, ks_pos, keys, values, args[0])
     new = dict(keys=keys, values=values, t=t.reshape(()), q_sum=q_sum, k_sum=k_sum)
     if spec.has("lsh"):
         new["lsh_table"] = table

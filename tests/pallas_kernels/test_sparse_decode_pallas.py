@@ -34,6 +34,8 @@ CASES = [
     ("sw+dilated", "sign"),
     ("lsh+ks", "argmax"),
     ("sw+lsh+ks", "sign"),
+    ("ks+sw", "sign"),  # slots after ks's contested one: t (sw's first) repeats it when t enters
+    ("ks+lsh", "argmax"),
 ]
 
 
