@@ -15,14 +15,16 @@ scorer (under concurrent CUDA graphs the two run at once):
    last slot is contested (t's position or the old list's last, whichever t's score leaves in the
    list), and the kernel writes what attend needs to settle it;
 2. barrier, then writes the new state in place: k and v at row t, the key bucket's table row
-   shifted left with t last, the sums. The barrier matters because a program's threads read and
-   write the same rows.
+   shifted left with t last, the key sum. The barrier matters because a program's threads read
+   and write the same rows. (The scorer reads the old query sum: attend, which runs after it,
+   adds q to it.)
 `_attend_kernel`, one program a batch row and chunk of the value columns (so that at batch 1 the
 value rows are gathered by many SMs at once): applies the scorer's last layer (decode.LinearScore)
 to settle the contested slot, gathers the selected key rows, takes the softmax over the valid
 slots and gathers its chunk of the value rows. It runs after the first kernel, so it reads row
-t from the buffers; a row's first program inserts t's score into the top-kc lists, and the first
-program of all advances t in place (one kernel fewer a layer than an add after it).
+t from the buffers; a row's first program inserts t's score into the top-kc lists and adds q to
+the query sum, and the first program of all advances t in place (one kernel fewer a layer than
+an add after it).
 
 Same contract as step_arrays, except past the cache's capacity, where both give NaN outputs but
 these kernels leave the buffers as they were (step_arrays's dynamic_update_slice writes the last
@@ -94,7 +96,7 @@ def _buckets(x, x_sum, count, hash_proj, binning, hash_bits):
 def _select_kernel(
     t_ref, q_ref, k_ref, v_ref, hash_ref, qsum_ref, ksum_ref, table_ref, kss_ref, ksp_ref,
     keys_in, values_in,
-    j_ref, contest_ref, last_score_ref, qsum_out, ksum_out, table_out, keys_ref, values_ref,
+    j_ref, contest_ref, last_score_ref, ksum_out, table_out, keys_ref, values_ref,
     *, spec, capacity, chunk, compiled,
 ):  # fmt: skip
     kc, comps = spec.keys_per_component, spec.components
@@ -161,7 +163,6 @@ def _select_kernel(
 
     if compiled:  # the interpreter runs one thread: nothing to order
         pltriton.debug_barrier()  # every old row read before any is overwritten
-    qsum_out[...] = q_sum
     ksum_out[...] = k_sum
     for ref, index, value in writes:
         ref[index] = value
@@ -188,15 +189,19 @@ def _select_kernel(
 
 def _attend_kernel(
     q_ref, j_ref, contest_ref, last_score_ref, feat_ref, weight_ref, bias_ref, kss_in, ksp_in,
-    keys_ref, values_ref, t_in,
-    o_ref, kss_ref, ksp_ref, t_ref, *, spec, compiled,
+    qsum_in, keys_ref, values_ref, t_in,
+    o_ref, kss_ref, ksp_ref, qsum_ref, t_ref, *, spec, compiled,
 ):  # fmt: skip
     """Softmax over the selected rows (j < 0: not selected) and this program's value columns;
     with ks, t's score decides the contested slot, and the row's first program inserts it into
-    the top-kc lists; the first program of all writes t + 1 over t (each *_in aliases its
-    output)."""
-    del t_in, kss_in, ksp_in
+    the top-kc lists and adds q to the query sum; the first program of all writes t + 1 over t
+    (each *_in aliases its output)."""
+    del t_in, kss_in, ksp_in, qsum_in
     first_of_row = pl.program_id(1) == 0
+
+    @pl.when(first_of_row)  # each element read and written by the same thread: no barrier
+    def _():
+        qsum_ref[...] = qsum_ref[...] + q_ref[...].astype(F32)
 
     @pl.when((pl.program_id(0) == 0) & first_of_row)
     def _():
@@ -294,8 +299,7 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
                 row(capacity, n), row(capacity, e)]  # fmt: skip
     slots = _pow2(len(spec.components) * spec.keys_per_component)
     # contest: t, the old list's last position, whether t / it already fill an earlier slot.
-    out_shape = ((b, slots), (b, 4), (b, 1), cache.q_sum, cache.k_sum, table, cache.keys,
-                 cache.values)  # fmt: skip
+    out_shape = ((b, slots), (b, 4), (b, 1), cache.k_sum, table, cache.keys, cache.values)
     dtypes = (jnp.int32, jnp.int32, F32)
     out_shape = tuple(
         jax.ShapeDtypeStruct(x, dtypes[i]) if i < 3 else jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -306,15 +310,16 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
     select = functools.partial(
         _select_kernel, spec=spec, capacity=capacity, chunk=chunk, compiled=not interpret
     )
-    j, contest, last_score, q_sum, k_sum, table, keys, values = pl.pallas_call(
+    j, contest, last_score, k_sum, table, keys, values = pl.pallas_call(
         select,
         grid=(b,),
         in_specs=in_specs,
-        out_specs=[row(slots), row(4), row(1)] + in_specs[5:8] + in_specs[10:],
+        out_specs=[row(slots), row(4), row(1)] + in_specs[6:8] + in_specs[10:],
         out_shape=out_shape,
         # The state is updated in place (the program writes a few rows of it); the top-kc lists
-        # by the attend kernel, which knows t's score.
-        input_output_aliases={5: 3, 6: 4, 7: 5, 10: 6, 11: 7},
+        # by the attend kernel, which knows t's score, and the query sum by it too, so that the
+        # scorer (XLA, reading the old sum) need not run before this kernel.
+        input_output_aliases={6: 3, 7: 4, 10: 5, 11: 6},
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
     )(*args)
@@ -322,39 +327,36 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
     by_row = lambda *tail: pl.BlockSpec((None, *tail), at(lambda c: (0,) * len(tail)))  # noqa: E731
     one = pl.BlockSpec((1,), lambda i, c: (0,))
     attend = functools.partial(_attend_kernel, spec=spec, compiled=not interpret)
-    o, ks_scores, ks_pos, t = pl.pallas_call(
+    o, ks_scores, ks_pos, q_sum, t = pl.pallas_call(
         attend,
         grid=(b, e // chunk),
         in_specs=[
-            by_row(n),
-            by_row(slots),
-            by_row(4),
-            by_row(1),
-            by_row(features.shape[1]),
+            *(by_row(n), by_row(slots), by_row(4), by_row(1), by_row(features.shape[1])),
             pl.BlockSpec(weight.shape, lambda i, c: (0,)),
-            one,
-            by_row(ks_scores.shape[1]),
-            by_row(ks_pos.shape[1]),
+            *(one, by_row(ks_scores.shape[1]), by_row(ks_pos.shape[1]), by_row(n)),
             by_row(capacity, n),
             pl.BlockSpec((None, capacity, chunk), at(lambda c: (0, c))),
             one,
-        ],  # fmt: skip
+        ],
         out_specs=[
             pl.BlockSpec((None, chunk), at(lambda c: (c,))),
             by_row(ks_scores.shape[1]),
             by_row(ks_pos.shape[1]),
+            by_row(n),
             one,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, e), v.dtype),
             jax.ShapeDtypeStruct(ks_scores.shape, ks_scores.dtype),
             jax.ShapeDtypeStruct(ks_pos.shape, ks_pos.dtype),
+            jax.ShapeDtypeStruct(cache.q_sum.shape, cache.q_sum.dtype),
             jax.ShapeDtypeStruct((1,), jnp.int32),
         ],
-        input_output_aliases={7: 1, 8: 2, 11: 3},
+        input_output_aliases={7: 1, 8: 2, 9: 3, 12: 4},
         interpret=interpret,
         compiler_params=compiler_params("gpu", num_warps=4, num_stages=1),
-    )(q, j, contest, last_score, features, weight, bias, ks_scores, ks_pos, keys, values, args[0])
+    )(q, j, contest, last_score, features, weight, bias, ks_scores, ks_pos, cache.q_sum, keys,
+      values, args[0])  # fmt: skip
     new = dict(keys=keys, values=values, t=t.reshape(()), q_sum=q_sum, k_sum=k_sum)
     if spec.has("lsh"):
         new["lsh_table"] = table
