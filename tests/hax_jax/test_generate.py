@@ -39,8 +39,9 @@ MODELS = {
 }
 
 
-def _model(name: str, seed: int = 0) -> LanguageModel:
-    """A 2-layer model whose windows and segments are shorter than the generated text."""
+def _model(name: str, seed: int = 0, **mamba2) -> LanguageModel:
+    """A 2-layer model whose windows and segments are shorter than the generated text; `mamba2`
+    overrides its Mamba2Config."""
     pattern, sparse = MODELS[name]
     cfg = ModelConfig(
         d_model=32,
@@ -48,7 +49,7 @@ def _model(name: str, seed: int = 0) -> LanguageModel:
         vocab_size=50,
         block_pattern=pattern,
         mamba=MambaConfig(d_state=8),
-        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8, **mamba2),
         attention=AttentionConfig(n_heads=2, window=4),
         infini=InfiniConfig(n_heads=2, segment_len=4),
         sparse=SparseConfig(pattern=sparse, num_keys=8, hash_bits=3),
@@ -75,6 +76,18 @@ def test_cached_decode_equals_full_forward(name):
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_allclose(fast.logits, slow.logits, **TOL)
     assert len(set(fast.tokens.ravel().tolist())) > 3  # the model is not stuck on one token
+
+
+def test_cached_decode_with_the_ssm_update_kernel_equals_full_forward():
+    """model.mamba2.decode_update_programs: generate's decode loop with the SSM update as a Pallas
+    kernel (interpreted here) on 3 programs gives generate_reference's tokens and logits."""
+    model = _model("hax-mamba2", decode_update_programs=3)
+    tokens, mask = _batch()
+    args = dict(mask=mask, return_logits=True)
+    fast = generate(model, tokens, 9, **args)
+    slow = generate_reference(model, tokens, 9, **args)
+    np.testing.assert_array_equal(fast.tokens, slow.tokens)
+    np.testing.assert_allclose(fast.logits, slow.logits, **TOL)
 
 
 @pytest.mark.parametrize("name", ["mamba", "hax-mamba2"])
