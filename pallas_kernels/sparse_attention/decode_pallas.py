@@ -221,9 +221,18 @@ def _attend_kernel(
         j_s = jnp.where((s_s > slot) & (j_s == contested), -1, j_s)  # its later repeats
         j_s = jnp.where(s_s == slot, jnp.where(repeated, -1, contested), j_s)
 
+        # Every program computes the lists after t's insertion and meets the barrier (none sits
+        # inside a branch); the row's first program writes them.
+        r_s, new_scores_s, new_pos_s = _insert_top(
+            kss_ref, ksp_ref, score, t, kc=spec.keys_per_component
+        )
+        if compiled:  # every old rank read before any is overwritten
+            pltriton.debug_barrier()
+
         @pl.when(first_of_row)
         def _():
-            _insert_top(kss_ref, ksp_ref, score, t, spec.keys_per_component, compiled)
+            kss_ref[r_s] = new_scores_s
+            ksp_ref[r_s] = new_pos_s
 
     valid_s = j_s >= 0
     j_s = jnp.where(valid_s, j_s, 0)
@@ -240,10 +249,11 @@ def _attend_kernel(
     o_ref[...] = jnp.where(full, nan_c, o_c).astype(o_ref.dtype)
 
 
-def _insert_top(scores_ref, pos_ref, score, t, kc, compiled):
-    """decode.insert_top in place on one row's lists (kc long): t's score after every kept score
-    >= it, the rest down one rank, the last dropped. Ranks padded to a power of two repeat the
-    last rank's read and write (the same value to the same place)."""
+def _insert_top(scores_ref, pos_ref, score, t, *, kc):
+    """decode.insert_top of one row's lists (kc long): (ranks, scores, positions) after t's score
+    goes after every kept score >= it, the rest down one rank and the last dropped. Ranks padded
+    to a power of two repeat the last rank (written, they write the same value to the same
+    place)."""
     r_s = jnp.minimum(jnp.arange(_pow2(kc), dtype=jnp.int32), kc - 1)
     old_scores_s, old_pos_s = scores_ref[r_s], pos_ref[r_s]
     at = jnp.sum(jnp.where((r_s == jnp.arange(r_s.shape[0])) & (old_scores_s >= score), 1, 0))
@@ -253,10 +263,7 @@ def _insert_top(scores_ref, pos_ref, score, t, kc, compiled):
     before_s, here_s = r_s < at, r_s == at
     new_scores_s = jnp.where(before_s, old_scores_s, jnp.where(here_s, score, down_scores_s))
     new_pos_s = jnp.where(before_s, old_pos_s, jnp.where(here_s, t, down_pos_s))
-    if compiled:  # every old rank read before any is overwritten
-        pltriton.debug_barrier()
-    scores_ref[r_s] = new_scores_s
-    pos_ref[r_s] = new_pos_s
+    return r_s, new_scores_s, new_pos_s
 
 
 def _linear_score(key_score, b):
