@@ -68,7 +68,17 @@ def _batch():
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cached_decode_equals_full_forward(name):
-    model = _model(name)
+    _assert_decode_equals_full_forward(_model(name))
+
+
+def test_cached_decode_with_the_ssm_update_kernel_equals_full_forward():
+    """model.mamba2.decode_update_programs: generate's decode loop with the SSM update as a Pallas
+    kernel (interpreted here) on 3 programs gives generate_reference's tokens and logits."""
+    _assert_decode_equals_full_forward(_model("hax-mamba2", decode_update_programs=3))
+
+
+def _assert_decode_equals_full_forward(model):
+    """generate's tokens and logits are generate_reference's on _batch(), 9 new tokens."""
     tokens, mask = _batch()
     args = dict(mask=mask, return_logits=True)
     fast = generate(model, tokens, 9, **args)
@@ -76,18 +86,6 @@ def test_cached_decode_equals_full_forward(name):
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_allclose(fast.logits, slow.logits, **TOL)
     assert len(set(fast.tokens.ravel().tolist())) > 3  # the model is not stuck on one token
-
-
-def test_cached_decode_with_the_ssm_update_kernel_equals_full_forward():
-    """model.mamba2.decode_update_programs: generate's decode loop with the SSM update as a Pallas
-    kernel (interpreted here) on 3 programs gives generate_reference's tokens and logits."""
-    model = _model("hax-mamba2", decode_update_programs=3)
-    tokens, mask = _batch()
-    args = dict(mask=mask, return_logits=True)
-    fast = generate(model, tokens, 9, **args)
-    slow = generate_reference(model, tokens, 9, **args)
-    np.testing.assert_array_equal(fast.tokens, slow.tokens)
-    np.testing.assert_allclose(fast.logits, slow.logits, **TOL)
 
 
 @pytest.mark.parametrize("name", ["mamba", "hax-mamba2"])
