@@ -75,11 +75,16 @@ def best_times(fns, repeats: int) -> list[float]:
     return [min(seconds) for seconds in times]
 
 
-def random_model(name: str, params: str = "bfloat16", overrides=()) -> LanguageModel:
-    """Model `name` with random weights, computing in bf16, its floating parameters in `params`,
-    its config with `overrides` ("model.key=value") applied."""
-    config = apply_overrides(load_config_file(ROOT / MODELS[name]), overrides)
-    cfg = dataclasses.replace(config.model, dtype="bfloat16")
+def model_config(name: str, overrides=()):
+    """Model `name`'s config with `overrides` ("model.key=value") applied; ValueError naming a bad
+    one."""
+    return apply_overrides(load_config_file(ROOT / MODELS[name]), overrides).model
+
+
+def random_model(cfg, params: str = "bfloat16") -> LanguageModel:
+    """A model of `cfg` with random weights, computing in bf16, its floating parameters in
+    `params`."""
+    cfg = dataclasses.replace(cfg, dtype="bfloat16")
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     if params != "float32":  # as a model is served: floating parameters stored in bf16
         cast = lambda x: x.astype(params) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
@@ -110,7 +115,7 @@ def random_prompts(model, batch: int, prompt: int) -> np.ndarray:
 
 
 def ours(name: str, model, tokens, new: int, repeats: int, params="bfloat16") -> dict:
-    """hax_jax.generate of `model` (random_model(name, params)) from the prompts `tokens`."""
+    """hax_jax.generate of `model` (random_model, `params`) from the prompts `tokens`."""
     runs = {n: (lambda n=n: generate(model, tokens, n)) for n in (1, new)}
     for run in runs.values():
         run()  # compile
@@ -210,16 +215,15 @@ def main() -> None:
     if args.hlo_dir:
         timing.make_dir(parser, "--hlo-dir", args.hlo_dir)
     batches = timing.ascending_ints(args.batches, "--batches")
-    for name in names:  # a bad --set named before anything compiles
-        try:
-            apply_overrides(load_config_file(ROOT / MODELS[name]), args.set)
-        except ValueError as err:
-            parser.error(f"--set: {err}")
+    try:  # a bad --set named before anything compiles
+        configs = {name: model_config(name, args.set) for name in names}
+    except ValueError as err:
+        parser.error(f"--set: {err}")
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}))
     results = []
     for batch in batches:
         for name in names:
-            model = random_model(name, args.params, args.set)
+            model = random_model(configs[name], args.params)
             tokens = random_prompts(model, batch, args.prompt)
             results.append(ours(name, model, tokens, args.new, args.repeats, args.params))
             print(json.dumps(results[-1]), flush=True)
