@@ -306,12 +306,10 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
                 row(capacity, n), row(capacity, e)]  # fmt: skip
     slots = _pow2(len(spec.components) * spec.keys_per_component)
     # contest: t, the old list's last position, whether t / it already fill an earlier slot.
-    out_shape = ((b, slots), (b, 4), (b, 1), cache.k_sum, table, cache.keys, cache.values)
-    dtypes = (jnp.int32, jnp.int32, F32)
-    out_shape = tuple(
-        jax.ShapeDtypeStruct(x, dtypes[i]) if i < 3 else jax.ShapeDtypeStruct(x.shape, x.dtype)
-        for i, x in enumerate(out_shape)
-    )
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    out_shape = (jax.ShapeDtypeStruct((b, slots), jnp.int32),
+                 jax.ShapeDtypeStruct((b, 4), jnp.int32), jax.ShapeDtypeStruct((b, 1), F32),
+                 *map(like, (cache.k_sum, table, cache.keys, cache.values)))  # fmt: skip
     interpret = interpret_for("gpu", interpret)
     chunk = _value_chunk(e)
     select = functools.partial(
@@ -354,9 +352,7 @@ def step_pallas(q, k, v, cache, *, spec, hash_proj=None, key_score=None, interpr
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, e), v.dtype),
-            jax.ShapeDtypeStruct(ks_scores.shape, ks_scores.dtype),
-            jax.ShapeDtypeStruct(ks_pos.shape, ks_pos.dtype),
-            jax.ShapeDtypeStruct(cache.q_sum.shape, cache.q_sum.dtype),
+            *map(like, (ks_scores, ks_pos, cache.q_sum)),
             jax.ShapeDtypeStruct((1,), jnp.int32),
         ],
         input_output_aliases={7: 1, 8: 2, 9: 3, 12: 4},
