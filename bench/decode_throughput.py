@@ -8,10 +8,9 @@ transformers' generate (mamba_ssm's: bench/decode_mamba_ssm.py).
 Random models computing in bf16 (the speed does not depend on the weights), their floating
 parameters stored in bf16 as mamba_ssm's peer's are (--params float32: as trained, fp32 parameters
 cast inside the program; rows before 2026-11-28 ran that way; --set model.KEY=VALUE changes our
-models' configs), random prompts of --prompt tokens,
-greedy decoding of exactly --new tokens (no stop token). For each batch size it times the prefill
-alone (max_new_tokens=1) and the whole call, each the best of --repeats (taken in turn) after a
-compiling call, and reports
+models' configs), random prompts of --prompt tokens, greedy decoding of exactly --new tokens (no
+stop token). For each batch size it times the prefill alone (max_new_tokens=1) and the whole
+call, each the best of --repeats (taken in turn) after a compiling call, and reports
   decode tokens/s = batch * (new - 1) / (whole - prefill)   (the recurrent steps alone)
   overall tokens/s = batch * new / whole                   (the Mamba paper's throughput: prefill
   included)
@@ -76,14 +75,12 @@ def best_times(fns, repeats: int) -> list[float]:
 
 
 def model_config(name: str, overrides=()):
-    """Model `name`'s config with `overrides` ("model.key=value") applied; ValueError naming a bad
-    one."""
+    """Model `name`'s config, `overrides` ("model.key=value") applied (a bad one: ValueError)."""
     return apply_overrides(load_config_file(ROOT / MODELS[name]), overrides).model
 
 
 def random_model(cfg, params: str = "bfloat16") -> LanguageModel:
-    """A model of `cfg` with random weights, computing in bf16, its floating parameters in
-    `params`."""
+    """A model of `cfg`, random weights, computing in bf16, floating parameters in `params`."""
     cfg = dataclasses.replace(cfg, dtype="bfloat16")
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
     if params != "float32":  # as a model is served: floating parameters stored in bf16
@@ -232,8 +229,11 @@ def main() -> None:
                 print(json.dumps(profile), flush=True)
             if args.timeline:
                 data = timing.trace(lambda m=model, t=tokens: generate(m, t, 32), reps=1)
-                label = f"{name} b{batch}"
-                timing.print_layer_timeline(data, args.timeline, model.cfg.n_layer, label)
+                try:  # the kernels' names are known only once traced
+                    label = f"{name} b{batch}"
+                    timing.print_layer_timeline(data, args.timeline, model.cfg.n_layer, label)
+                except ValueError as err:
+                    parser.error(f"--timeline {args.timeline}: {err}")
             del model  # a 2.7B model's weights freed before the next one's
         if args.peer:
             try:
