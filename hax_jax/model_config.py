@@ -9,7 +9,6 @@ import math
 from typing import Literal
 
 from pallas_kernels.sparse_attention import SparseSpec
-from pallas_kernels.ssd.step_pallas import unsupported as step_unsupported
 
 MIXER_KINDS = ("mamba", "mamba2", "attention", "swa", "mlp", "infini")
 # Tokens a decode cache holds unless init_cache is asked for more (full attention's KV buffer and
@@ -147,24 +146,10 @@ class Mamba2Config:
     # The Pallas SSD's chunk_state / chunk_out by Mosaic GPU: None = on Hopper where they suit
     # (pallas_kernels/ssd/kernel_mgpu.use_mosaic_gpu), False = Triton only, True = forced.
     ssd_mosaic_gpu: bool | None = None
-    # The decode step's SSM update: None = XLA's one fused kernel, whose blocks fill the GPU;
-    # N = a Pallas kernel on N programs (pallas_kernels/ssd/step_pallas.py), leaving SMs to a HAX
-    # branch beside it. Not yet measured (BENCHMARKS.md, "Thirty-fourth session").
-    decode_update_programs: int | None = None
 
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"mamba2.chunk_size must be positive, got {self.chunk_size}")
-        programs = self.decode_update_programs
-        if programs is not None:
-            if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
-                raise ValueError(
-                    "mamba2.decode_update_programs must be None or a positive int, "
-                    f"got {programs!r}"
-                )
-            why = step_unsupported(self.headdim, self.d_state)
-            if why:
-                raise ValueError(f"mamba2.decode_update_programs={programs}: {why}")
         if self.ssd_mosaic_gpu is not None and self.ssd_impl in ("chunked", "reference"):
             raise ValueError(
                 f"mamba2.ssd_mosaic_gpu={self.ssd_mosaic_gpu} chooses between Pallas kernels; "

@@ -29,9 +29,7 @@ from hax_jax.parallel import (
     ssd_head_and_group_names,
     ssd_sequence_parallel,
 )
-from pallas_kernels.backend import kernel_per_device
 from pallas_kernels.ssd import BlockSizes
-from pallas_kernels.ssd.step_pallas import ssm_step_pallas
 
 XBC = ("x", "B", "C")  # the conv's parts, contiguous in in_proj's output
 
@@ -65,7 +63,6 @@ class Mamba2Mixer(nnx.Module):
         self.ssd_block_sizes = (
             None if m.ssd_mosaic_gpu is None else BlockSizes(mosaic_gpu=m.ssd_mosaic_gpu)
         )
-        self.decode_update_programs = m.decode_update_programs
 
         # Tensor parallelism (Mamba-2 paper §8.1): a device holds z, x, dt of its heads and B, C of
         # its groups (one group is replicated: every head reads it), so in_proj and the conv need no
@@ -213,27 +210,14 @@ class Mamba2Mixer(nnx.Module):
     def step(self, u: jax.Array, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
         z, x, B, C, dt, conv_state = self._project(u, self.conv1d.step, cache.conv)
-        A = -jnp.exp(self.A_log[...])
-        if self.decode_update_programs:
-            if not kernel_per_device():
-                raise ValueError(
-                    f"mamba2.decode_update_programs={self.decode_update_programs} runs a kernel "
-                    "per device: decode inside shard_map or on one device, or unset it"
-                )
-            y, h = ssm_step_pallas(
-                cache.ssm, x, dt, A, B, C, self.D[...], programs=self.decode_update_programs
-            )
-        else:
-            heads_per_group = self.n_heads // self.ngroups
-            B = jnp.repeat(B.astype(jnp.float32), heads_per_group, axis=1)  # (b, h, n)
-            C = jnp.repeat(C.astype(jnp.float32), heads_per_group, axis=1)
-            x32 = x.astype(jnp.float32)
-            # h_t = exp(dt A) h_{t-1} + dt x_t B_t^T per head; y = h C + D x.
-            dA = jnp.exp(dt * A)  # (b, h)
-            h = cache.ssm * dA[:, :, None, None] + jnp.einsum(
-                "bhp,bhn->bhpn", dt[:, :, None] * x32, B
-            )
-            y = jnp.einsum("bhpn,bhn->bhp", h, C) + self.D[...][:, None] * x32
+        heads_per_group = self.n_heads // self.ngroups
+        B = jnp.repeat(B.astype(jnp.float32), heads_per_group, axis=1)  # (b, h, n)
+        C = jnp.repeat(C.astype(jnp.float32), heads_per_group, axis=1)
+        x32 = x.astype(jnp.float32)
+        # h_t = exp(dt A) h_{t-1} + dt x_t B_t^T per head; y = h C + D x.
+        dA = jnp.exp(dt * -jnp.exp(self.A_log[...]))  # (b, h)
+        h = cache.ssm * dA[:, :, None, None] + jnp.einsum("bhp,bhn->bhpn", dt[:, :, None] * x32, B)
+        y = jnp.einsum("bhpn,bhn->bhp", h, C) + self.D[...][:, None] * x32
         y = y.reshape(u.shape[0], self.d_inner)
         sparse_cache = None
         if self.branch is not None:

@@ -47,8 +47,8 @@ def run_script(script, args, monkeypatch, capsys):
         ("decode_throughput.py", ["--hlo-dir", "{file}/hlo"], "--hlo-dir {file}/hlo"),
         (
             "decode_throughput.py",
-            ["--set", "model.mamba2.decode_update_programs=0"],
-            "--set: mamba2.decode_update_programs must be None or a positive int, got 0",
+            ["--set", "model.mamba2.chunk_size=0"],
+            "--set: mamba2.chunk_size must be positive, got 0",
         ),
         ("decode_gemv_layout.py", ["--layers", "0"], "--layers must be at least 1, got 0"),
         ("decode_gemv_layout.py", ["--d-inner", "4096"], "--d-inner 4096 is wider than --in-proj"),

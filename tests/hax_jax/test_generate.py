@@ -39,9 +39,8 @@ MODELS = {
 }
 
 
-def _model(name: str, seed: int = 0, **mamba2) -> LanguageModel:
-    """A 2-layer model whose windows and segments are shorter than the generated text; `mamba2`
-    overrides its Mamba2Config."""
+def _model(name: str, seed: int = 0) -> LanguageModel:
+    """A 2-layer model whose windows and segments are shorter than the generated text."""
     pattern, sparse = MODELS[name]
     cfg = ModelConfig(
         d_model=32,
@@ -49,7 +48,7 @@ def _model(name: str, seed: int = 0, **mamba2) -> LanguageModel:
         vocab_size=50,
         block_pattern=pattern,
         mamba=MambaConfig(d_state=8),
-        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8, **mamba2),
+        mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=8),
         attention=AttentionConfig(n_heads=2, window=4),
         infini=InfiniConfig(n_heads=2, segment_len=4),
         sparse=SparseConfig(pattern=sparse, num_keys=8, hash_bits=3),
@@ -68,17 +67,8 @@ def _batch():
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cached_decode_equals_full_forward(name):
-    _assert_decode_equals_full_forward(_model(name))
-
-
-def test_cached_decode_with_the_ssm_update_kernel_equals_full_forward():
-    """model.mamba2.decode_update_programs: generate's decode loop with the SSM update as a Pallas
-    kernel (interpreted here) on 3 programs gives generate_reference's tokens and logits."""
-    _assert_decode_equals_full_forward(_model("hax-mamba2", decode_update_programs=3))
-
-
-def _assert_decode_equals_full_forward(model):
     """generate's tokens and logits are generate_reference's on _batch(), 9 new tokens."""
+    model = _model(name)
     tokens, mask = _batch()
     args = dict(mask=mask, return_logits=True)
     fast = generate(model, tokens, 9, **args)

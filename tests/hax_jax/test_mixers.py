@@ -181,31 +181,3 @@ def test_mamba2_ssd_mosaic_gpu_reaches_the_kernels():
     assert np.all(np.isfinite(np.asarray(y)))
     with pytest.raises(ValueError, match="ssd_mosaic_gpu=False.*ssd_impl='chunked'"):
         dataclasses.replace(base, ssd_impl="chunked", ssd_mosaic_gpu=False)
-
-
-def test_mamba2_decode_update_kernel_equals_the_plain_step():
-    """model.mamba2.decode_update_programs: the decode step's SSM update on 3 programs (for 2
-    rows x 8 heads) gives the parallel mode's outputs and cache, as the plain step does; under a
-    mesh with automatic axes the step refuses (XLA cannot split the kernel); a size the kernel
-    cannot take, or a grid that is not a positive int, is refused at config time."""
-    cfg = _cfg("mamba2")
-    kernel_cfg = dataclasses.replace(
-        cfg, mamba2=dataclasses.replace(cfg.mamba2, decode_update_programs=3)
-    )
-    mixer = perturbed_mixer("mamba2", kernel_cfg, 0)
-    u = random_inputs()
-    full, final_cache = run_parallel(mixer, u)
-    decoded, cache = prefill_then_decode(mixer, u, prefix=7)
-    np.testing.assert_allclose(decoded, full, **TOL[jnp.float32])
-    assert_trees_close(cache, final_cache, TOL[jnp.float32])
-    plain, plain_cache = prefill_then_decode(perturbed_mixer("mamba2", cfg, 0), u, prefix=7)
-    np.testing.assert_allclose(decoded, plain, **TOL[jnp.float32])
-    assert_trees_close(cache, plain_cache, TOL[jnp.float32])
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="=3 runs a kernel per device"):
-        mixer.step(u[:, 0], cache)
-    with pytest.raises(ValueError, match="decode_update_programs=2: the head dim p = 12"):
-        dataclasses.replace(cfg.mamba2, headdim=12, decode_update_programs=2)
-    for bad in (0, True, 2.0):
-        with pytest.raises(ValueError, match=f"positive int, got {bad!r}"):
-            dataclasses.replace(cfg.mamba2, decode_update_programs=bad)
