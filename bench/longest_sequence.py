@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per attempt")
     args = parser.parse_args()
     lengths = timing.ascending_ints(args.lengths, "--lengths")
-    from bench.train_throughput import CASES  # jax and the library: only once the flags parse
+    from bench.train_cases import CASES  # jax and the library: only once the flags parse
 
     # else every attempt would fail and read as "did not fit"
     timing.known_names(parser, "--case", [args.case], CASES)

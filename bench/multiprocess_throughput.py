@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_throughput import CASES, case_argv  # noqa: E402
+from bench.train_cases import CASES, case_argv  # noqa: E402
 
 
 def free_port() -> int:

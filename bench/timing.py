@@ -378,3 +378,21 @@ def parse_config(text):
         bools = {"true": True, "false": False}
         kw[key] = bools[value.lower()] if value.lower() in bools else int(value)
     return name, kw
+
+
+def print_compiled_account(name: str, extra, compiled, hlo: str) -> None:
+    """Prints a compiled train step's collectives by kind (count, MiB a step) and XLA's own account
+    of one device's buffers (the allocator's peak also holds what compiling and autotuning took)."""
+    print(f"collectives of one {name} step ({' '.join(extra)}):")
+    for kind, (count, size) in collectives_by_kind(hlo).items():
+        print(f"  {kind:20s} {count:5d}  {size / 2**20:10.2f} MiB")
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        sizes = {
+            "arguments": memory.argument_size_in_bytes,
+            "outputs": memory.output_size_in_bytes,
+            "aliased": memory.alias_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes,
+        }
+        listed = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sizes.items())
+        print(f"memory of one {name} step per device: {listed}")

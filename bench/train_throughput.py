@@ -36,70 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from bench import timing  # noqa: E402
+from bench.train_cases import CASES, case_argv  # noqa: E402
 from hax_jax import heap  # noqa: E402
 from hax_jax.metrics import device_memory  # noqa: E402
 from pallas_kernels.backend import keep_custom_calls_out_of_cuda_graphs  # noqa: E402
-
-LM = ["data.batch_size=8", "data.seq_len=2048"]
-BIG_LM = ["model.dtype=bfloat16", "data.task=tokens", "data.document_boundaries=false"]
-CASES = {
-    "jr_mamba2_hax": ["configs/joint_recall.py:mamba2,hax"],
-    "jr_mamba2_none": ["configs/joint_recall.py:mamba2,none"],
-    "jr_mamba_hax": ["configs/joint_recall.py:mamba,hax"],
-    "lm_mamba2_130m": ["configs/hax_130m.py", "model.sparse.pattern=", *LM],
-    "lm_hax_mamba2_130m": ["configs/hax_130m.py", *LM],
-    "lm_mamba2_130m_b1": ["configs/hax_130m.py", "model.sparse.pattern=", *LM, "data.batch_size=1"],
-    # Long rows, one per step (sequence parallelism: add --set mesh.data=1 mesh.seq=2).
-    "lm_mamba2_130m_32k": [
-        "configs/hax_130m.py",
-        "model.sparse.pattern=",
-        "data.batch_size=1",
-        "data.seq_len=32768",
-    ],
-    "lm_hax_mamba2_130m_64k": ["configs/hax_130m.py", "data.batch_size=1", "data.seq_len=65536"],
-    # The released Mamba-2 1.3B / 2.7B architectures, as LMs on 2048-token rows (tensor=2: issue
-    # 18).
-    "lm_mamba2_1_3b": ["configs/released.py:mamba2_1_3b", *BIG_LM, *LM],
-    "lm_mamba2_2_7b": ["configs/released.py:mamba2_2_7b", *BIG_LM, *LM],
-    # The released Mamba-1 architectures (issue 20's peer: bench/train_step_mamba_ssm.py).
-    "lm_mamba_130m": ["configs/released.py:mamba_130m", *BIG_LM, *LM],
-    "lm_mamba_1_4b": ["configs/released.py:mamba_1_4b", *BIG_LM, *LM],
-    "lm_mamba_2_8b": ["configs/released.py:mamba_2_8b", *BIG_LM, *LM],
-    # The same models on the pure-JAX paths (impl="auto" takes the Pallas kernels on a GPU).
-    "lm_mamba2_130m_purejax": [
-        "configs/hax_130m.py",
-        "model.sparse.pattern=",
-        *LM,
-        "model.mamba2.ssd_impl=chunked",
-    ],
-    "lm_hax_mamba2_130m_purejax": [
-        "configs/hax_130m.py",
-        *LM,
-        "model.mamba2.ssd_impl=chunked",
-        "model.sparse.impl=indexed",
-    ],
-}
-
-
-def token_file(directory: Path, vocab_size: int, seq_len: int) -> str:
-    """A random token stream (uint32 .npy) for the LM cases: 64 rows of 2048 tokens, or 4 rows
-    of `seq_len` (one of them held out) where that is more."""
-    size = max(8 * 2048 * 64, 4 * (seq_len + 1)) + 1
-    path = directory / f"tokens_{size}.npy"
-    if not path.exists():
-        rng = np.random.default_rng(0)
-        np.save(path, rng.integers(1, vocab_size, size, dtype=np.uint32))
-    return str(path)
-
-
-def case_argv(name: str, extra, scratch: Path) -> list[str]:
-    """train.py's arguments for case `name` with `extra` overrides; an LM case reads a random
-    token file in `scratch` long enough for its resolved data.seq_len."""
-    argv = [str(ROOT / CASES[name][0]), *CASES[name][1:], *extra, "train.progress=false"]
-    if name.startswith("lm_"):
-        seq_len = train.resolve_config(argv).data.seq_len
-        argv.append(f"data.path={token_file(scratch, 50277, seq_len)}")
-    return argv
 
 
 def measure(
@@ -134,21 +74,7 @@ def measure(
             Path(hlo_dir).mkdir(parents=True, exist_ok=True)
             (Path(hlo_dir) / f"{name}.hlo.txt").write_text(hlo)
         if collectives:
-            print(f"collectives of one {name} step ({' '.join(extra)}):")
-            for kind, (count, size) in timing.collectives_by_kind(hlo).items():
-                print(f"  {kind:20s} {count:5d}  {size / 2**20:10.2f} MiB")
-            # XLA's own account of one device's buffers (the allocator's peak below also holds
-            # what compiling and autotuning allocated).
-            memory = compiled.memory_analysis()
-            if memory is not None:
-                sizes = {
-                    "arguments": memory.argument_size_in_bytes,
-                    "outputs": memory.output_size_in_bytes,
-                    "aliased": memory.alias_size_in_bytes,
-                    "temporaries": memory.temp_size_in_bytes,
-                }
-                listed = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in sizes.items())
-                print(f"memory of one {name} step per device: {listed}")
+            timing.print_compiled_account(name, extra, compiled, hlo)
         start = time.perf_counter()
         state, metrics = trainer.step_fn(state, batch)
         jax.block_until_ready(metrics)
