@@ -175,9 +175,12 @@ class ModelConfig:
     # mamba2 layers only): layers/init.py's hax_code_init says which parameters it re-draws.
     init: Literal["mamba_ssm", "hax_code"] = "mamba_ssm"
     # The backward's memory: "block" keeps each residual block's input only and recomputes the
-    # rest of the block; "none" keeps what autodiff saves; "auto" = "block" for rows of at least
-    # REMAT_MIN_LEN tokens.
-    remat: Literal["auto", "none", "block"] = "auto"
+    # rest of the block; "block_keep_scan" keeps also each Mamba mixer's GEMM outputs (in_proj's,
+    # x_proj's), its scan's y and the SSD's chunk states, and recomputes the cheap work between
+    # them (conv, SiLU, norms, gates; the sparse branch), as mamba_ssm's fused layer does (Mamba-1's
+    # scan still runs again for its states, as under "block"); "none" keeps what autodiff saves;
+    # "auto" = "block" for rows of at least REMAT_MIN_LEN tokens.
+    remat: Literal["auto", "none", "block", "block_keep_scan"] = "auto"
     # Positions per row whose logits the loss computes at once (more wait in a scan under
     # jax.checkpoint, so neither pass holds (b, l, vocab) logits); 0 = auto, under LOGITS_BUDGET.
     loss_chunk: int = 0
@@ -227,9 +230,15 @@ class ModelConfig:
                     f"mamba2.ngroups={m2.ngroups}"
                 )
 
+    def remat_mode(self, length: int) -> str:
+        """model.remat resolved for rows of `length`: "none", "block" or "block_keep_scan"."""
+        if self.remat == "auto":
+            return "block" if length >= REMAT_MIN_LEN else "none"
+        return self.remat
+
     def remat_blocks(self, length: int) -> bool:
         """Whether each block recomputes its activations in the backward, for rows of `length`."""
-        return self.remat == "block" or (self.remat == "auto" and length >= REMAT_MIN_LEN)
+        return self.remat_mode(length) != "none"
 
     @property
     def padded_vocab_size(self) -> int:

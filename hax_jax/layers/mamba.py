@@ -7,9 +7,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from hax_jax.config import DEFAULT_CAPACITY, SCAN_STATES_SHARE, ModelConfig
-from hax_jax.layers import init
+from hax_jax.layers import SCAN_IO, init
 from hax_jax.layers.conv import CausalConv1d, conv_shard
 from hax_jax.layers.fused import FusedLinear, Part, linear_parts
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
@@ -96,7 +97,9 @@ class MambaMixer(nnx.Module):
     def _dt_B_C(self, x: jax.Array):
         """x (..., e) post-conv -> dt (..., e) fp32 positive, B, C (..., n)."""
         dt_raw, B, C = jnp.split(
-            self.x_proj(x), [self.dt_rank, self.dt_rank + self.d_state], axis=-1
+            checkpoint_name(self.x_proj(x), SCAN_IO),
+            [self.dt_rank, self.dt_rank + self.d_state],
+            axis=-1,
         )
         dt = jax.nn.softplus(
             self.dt_proj(dt_raw).astype(jnp.float32)
@@ -201,7 +204,7 @@ class MambaMixer(nnx.Module):
 def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype):
     """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
     shard_map): -> (x post-conv (b, l, e), z (b, l, e), the conv's new state)."""
-    proj = linear_parts(u, in_kernels, in_biases, dtype, ("x", "z"))
+    proj = checkpoint_name(linear_parts(u, in_kernels, in_biases, dtype, ("x", "z")), SCAN_IO)
     x, new_state = conv_shard(proj["x"], conv_kernel, conv_bias, conv_state, None)
     return jax.nn.silu(x), proj["z"], new_state
 
@@ -214,9 +217,10 @@ def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers):
     scans = 1 if seq_shards() == 1 else 2  # a split sequence's shard is scanned twice
     held = layers * scans * saved_states_bytes(b, l, d, A.shape[1])
     recompute = recomputes_scan_states(states, held)
-    return selective_scan_sequence_parallel(
+    y, final = selective_scan_sequence_parallel(
         x, dt, A, B, C, D, z, initial_state, impl=impl, recompute_states=recompute
     )
+    return checkpoint_name(y, SCAN_IO), final
 
 
 def recomputes_scan_states(setting: str, held_bytes: int) -> bool:

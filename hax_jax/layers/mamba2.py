@@ -7,8 +7,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.layers import SCAN_IO
 from hax_jax.layers.fused import (
     FusedConv1d,
     FusedLinear,
@@ -256,6 +258,7 @@ def _front_shard(
         order=[p.name for p in mixer.in_proj.parts],
     )
     zxbcdt, shapes = project(u)
+    zxbcdt = checkpoint_name(zxbcdt, SCAN_IO)
     e, conv_dim = shapes[0][0], sum(math.prod(s) for s in shapes[1:4])
     z, xBC, dt = jnp.split(zxbcdt, [e, e + conv_dim], axis=-1)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
@@ -284,4 +287,5 @@ def _front_shard(
         impl=impl,
         block_sizes=mixer.ssd_block_sizes,
     )
+    y = checkpoint_name(y, SCAN_IO)
     return (y, z, x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))

@@ -8,12 +8,14 @@ import numpy as np
 from flax import nnx
 
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
+from hax_jax.layers import SCAN_IO
 from hax_jax.layers.init import hax_code_init
 from hax_jax.layers.norms import RMSNorm
 from hax_jax.models.blocks import ResidualBlock
 from hax_jax.parallel import CARRIED
 from hax_jax.sharding import linear_axes, shard
 from pallas_kernels.sparse_attention.spec import SELECTION
+from pallas_kernels.ssd import CHUNK_STATES
 
 
 def rank_loss_sum(intermediates) -> jax.Array:
@@ -38,9 +40,19 @@ def _block(layer: ResidualBlock, x, cache, seq_idx, mask, rng):
 # (dots_with_no_batch_dims_saveable) would keep in_proj's outputs (b, l, 2e + 2gn + h), several
 # times the residual, at every layer: the memory remat is there to save.
 # nnx.remat (not jax.checkpoint) carries the sown ranking loss out to nnx.capture.
-_remat_block = nnx.remat(
-    _block, policy=jax.checkpoint_policies.save_only_these_names(CARRIED, SELECTION)
-)
+# "block_keep_scan" saves as well what the mixers' GEMMs and scans made (layers.SCAN_IO, the SSD's
+# chunk states): the backward reruns neither, only the elementwise work between them.
+_REMAT_BLOCK = {
+    "block": nnx.remat(
+        _block, policy=jax.checkpoint_policies.save_only_these_names(CARRIED, SELECTION)
+    ),
+    "block_keep_scan": nnx.remat(
+        _block,
+        policy=jax.checkpoint_policies.save_only_these_names(
+            CARRIED, SELECTION, SCAN_IO, CHUNK_STATES
+        ),
+    ),
+}
 
 
 class LanguageModel(nnx.Module):
@@ -105,7 +117,7 @@ class LanguageModel(nnx.Module):
         The loss takes this and `head` to compute logits a chunk of positions at a time.
         """
         tokens = self._check_tokens(tokens, ndim=2)
-        block = _remat_block if self.cfg.remat_blocks(tokens.shape[1]) else _block
+        block = _REMAT_BLOCK.get(self.cfg.remat_mode(tokens.shape[1]), _block)
         # Block boundaries carry the residual stream as (batch, seq, embed) under the current mesh.
         x = shard(self._embed(tokens), "batch", "seq", "embed")
         rngs = (

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from .. import backend
@@ -12,6 +13,10 @@ from . import pallas
 from .chunked import ssd_chunked
 from .reference import ssd_reference, ssd_sequential
 from .tiling import resolve_block_sizes
+
+# The states entering each chunk (and a shard's decay), which only the forward kernels compute:
+# a remat policy that saves them by this name (with the SSD's inputs and y) reruns no SSD forward.
+CHUNK_STATES = "ssd_chunk_states"
 
 IMPLS = ("auto", "chunked", "pallas", "reference", "sequential")
 
@@ -96,6 +101,7 @@ def _ssd_pallas_fwd(
         sizes=sizes,
         interpret=interpret,
     )
+    h_in = checkpoint_name(h_in, CHUNK_STATES)
     return (y, final), (x, dt, A, B, C, D, initial_state, seq_idx, h_in)
 
 
@@ -292,6 +298,7 @@ def _ssd_pallas_shard_fwd(arrays, statics):
     final = jax.lax.optimization_barrier(pallas.zero_start_final(prep, S))
     entering, last = forward(decay, final, initial_state)
     y, _, h_in = pallas.forward_from_states(prep, S, entering * keep_b1, interpret)
+    decay, h_in = checkpoint_name((decay, h_in), CHUNK_STATES)
     return (y, last.astype(jnp.float32)), (arrays, decay, h_in)
 
 

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxprs import primitives, sub_jaxprs
+from jaxprs import live, primitives, sub_jaxprs
 
 import hax_jax.layers.mamba
 import hax_jax.loss
@@ -137,9 +137,39 @@ def plain():
 # ----------------------------------------------------------------------------- remat
 
 
-def test_remat_gives_the_same_loss_metrics_and_gradients(plain):
+@pytest.mark.parametrize("remat", ["block", "block_keep_scan"])
+def test_remat_gives_the_same_loss_metrics_and_gradients(plain, remat):
     assert float(plain[1]["rank_loss"]) > 0  # the branch did sow through the blocks
-    _assert_same(_loss_grads_eval(dataclasses.replace(CFG, remat="block"), _batch()), plain)
+    _assert_same(_loss_grads_eval(dataclasses.replace(CFG, remat=remat), _batch()), plain)
+
+
+# A Mamba-1 and a Mamba-2 block on the Pallas scans (interpreted on CPU), HAX branches on both.
+KERNELS = dataclasses.replace(
+    CFG,
+    block_pattern=("mamba", "mamba2"),
+    mamba=MambaConfig(d_state=8, scan_impl="pallas"),
+    mamba2=dataclasses.replace(CFG.mamba2, ssd_impl="pallas", chunk_size=16),
+)
+
+
+def test_block_keep_scan_reruns_no_ssd_forward_and_changes_no_number():
+    """remat="block_keep_scan" saves the mixers' GEMM outputs, the scans' y and the SSD's chunk
+    states: the gradient (dead code dropped, as XLA drops it) runs as many Pallas kernels as
+    without remat but the Mamba-1 scan's forward again (its states are not kept), where "block"
+    also runs the SSD's forward kernels again; loss, metrics and gradients equal remat="none"'s."""
+    batch = _batch()
+
+    def kernels(remat):
+        """Pallas kernels in the live gradient."""
+        grad = _grad_jaxpr(dataclasses.replace(KERNELS, remat=remat), batch)
+        return list(primitives(live(grad))).count("pallas_call")
+
+    none, keep_scan, block = kernels("none"), kernels("block_keep_scan"), kernels("block")
+    assert keep_scan == none + 1 < block  # the selective scan's forward kernel once more
+    plain = _loss_grads_eval(KERNELS, batch)
+    _assert_same(
+        _loss_grads_eval(dataclasses.replace(KERNELS, remat="block_keep_scan"), batch), plain
+    )
 
 
 def test_remat_is_in_the_gradient_only_when_on(monkeypatch):
@@ -177,10 +207,11 @@ def test_remat_keeps_the_sparse_selection():
 def test_remat_forward_returns_the_same_logits_and_caches():
     tokens = _batch()["inputs"]
     outs = []
-    for remat in ("none", "block"):
+    for remat in ("none", "block", "block_keep_scan"):
         model = LanguageModel(dataclasses.replace(CFG, remat=remat), rngs=nnx.Rngs(0))
         outs.append(model.forward(tokens, cache=model.init_cache(B, 2 * L), rng=jax.random.key(3)))
     _assert_same(outs[1], outs[0])
+    _assert_same(outs[2], outs[0])
 
 
 def test_a_run_resumes_across_memory_settings():

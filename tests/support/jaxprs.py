@@ -20,6 +20,15 @@ def equations(jaxpr):
             yield from equations(sub)
 
 
+def live(closed_jaxpr):
+    """`closed_jaxpr`'s Jaxpr with the equations no output needs dropped, nested ones included
+    (as XLA drops them when it compiles: partial evaluation under remat leaves dead calls)."""
+    from jax._src.interpreters import partial_eval as pe  # no public API does this
+
+    jaxpr = closed_jaxpr.jaxpr
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
 def primitives(jaxpr):
     """Every equation's primitive name, nested jaxprs included."""
     return (eqn.primitive.name for eqn in equations(jaxpr))
