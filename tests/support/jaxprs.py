@@ -21,8 +21,9 @@ def equations(jaxpr):
 
 
 def live(closed_jaxpr):
-    """`closed_jaxpr`'s Jaxpr with the equations no output needs dropped, nested ones included
-    (as XLA drops them when it compiles: partial evaluation under remat leaves dead calls)."""
+    """`closed_jaxpr`'s Jaxpr with the equations no output needs dropped, as XLA drops them when
+    it compiles (partial evaluation under remat leaves dead calls). jax's DCE prunes inside jit and
+    remat, not inside shard_map bodies: count there in the compiled program instead."""
     from jax._src.interpreters import partial_eval as pe  # no public API does this
 
     jaxpr = closed_jaxpr.jaxpr
