@@ -36,13 +36,8 @@ def auto_picks_pallas():
     call; GSPMD partitions the pure-JAX path instead). Inside shard_map (manual axes) each
     device runs its kernel: hax_jax's layers call the ops that way under a mesh whose "seq"
     axis is 1 (hax_jax/parallel.py)."""
-    return kernels_by_default() and kernel_per_device()
-
-
-def kernel_per_device():
-    """Whether a kernel called here runs on each device's own data: no mesh, a one-device mesh,
-    or inside shard_map (every axis manual). Under automatically partitioned axes XLA cannot
-    split a kernel's custom call."""
+    if not kernels_by_default():
+        return False
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return True
@@ -163,7 +158,6 @@ __all__ = [
     "default_variant",
     "interpret_for",
     "keep_custom_calls_out_of_cuda_graphs",
-    "kernel_per_device",
     "kernels_by_default",
     "lower_for",
     "mosaic_gpu_interpret_params",
