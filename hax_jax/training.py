@@ -298,6 +298,7 @@ def error_line(err: Exception) -> str:
     detail = found.group(0) if found else str(err).splitlines()[0]
     return (
         f"error: the train step does not fit the device memory ({detail}): lower "
-        "data.batch_size, recompute each block in the backward (model.remat=block), or spread "
-        "it over more devices (mesh.data or mesh.seq with mesh.fsdp=true, mesh.tensor)"
+        "data.batch_size, recompute each block in the backward (model.remat=block_keep_scan, "
+        "or model.remat=block to keep the least), or spread it over more devices (mesh.data or "
+        "mesh.seq with mesh.fsdp=true, mesh.tensor)"
     )

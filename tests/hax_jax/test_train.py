@@ -486,7 +486,13 @@ def test_error_line_names_the_value_and_what_would_fit_in_memory():
     line = training.error_line(oom)
     assert line.startswith("error: the train step does not fit the device memory (Out of memory")
     assert "allocate 86.63GiB with allocator GPU_0_bfc on device 0)" in line
-    for setting in ("data.batch_size", "model.remat=block", "mesh.fsdp=true", "mesh.seq"):
+    for setting in (
+        "data.batch_size",
+        "model.remat=block_keep_scan",
+        "model.remat=block ",
+        "mesh.fsdp=true",
+        "mesh.seq",
+    ):
         assert setting in line
     assert "\n" not in line and "tf-allocator" not in line
     other = jax.errors.JaxRuntimeError("INTERNAL: a kernel failed")
