@@ -146,6 +146,9 @@ class Mamba2Config:
     # The Pallas SSD's chunk_state / chunk_out by Mosaic GPU: None = on Hopper where they suit
     # (pallas_kernels/ssd/kernel_mgpu.use_mosaic_gpu), False = Triton only, True = forced.
     ssd_mosaic_gpu: bool | None = None
+    # The gated norm after the SSD: auto = its Triton kernels on a GPU, per device under a mesh
+    # unless "tensor" splits a group (pallas_kernels/gated_norm), else XLA ("reference").
+    norm_impl: Literal["auto", "reference", "pallas"] = "auto"
 
     def __post_init__(self):
         if self.chunk_size < 1:

@@ -1,8 +1,15 @@
 """RMSNorm and the gated, grouped RMSNorm of Mamba-2."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from hax_jax.parallel import per_device
+from hax_jax.sharding import current_mesh
+from pallas_kernels.backend import kernels_by_default
+from pallas_kernels.gated_norm import gated_rms_norm
 
 
 class RMSNorm(nnx.Module):
@@ -22,7 +29,7 @@ class RMSNorm(nnx.Module):
 class GatedRMSNorm(nnx.Module):
     """Mamba-2's norm after the gate: RMSNorm_grouped(y * silu(z)) * w (norm_before_gate=False)."""
 
-    def __init__(self, dim: int, *, group_size: int, eps: float = 1e-5):
+    def __init__(self, dim: int, *, group_size: int, eps: float = 1e-5, impl: str = "auto"):
         if dim % group_size:
             raise ValueError(
                 f"GatedRMSNorm: dim={dim} must be a multiple of group_size={group_size}"
@@ -32,15 +39,31 @@ class GatedRMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=("inner",))
         self.group_size = group_size
         self.eps = eps
+        self.impl = impl
 
-    def __call__(self, y: jax.Array, z: jax.Array | None = None) -> jax.Array:
+    def __call__(self, y: jax.Array, z: jax.Array | None = None, *, impl=None) -> jax.Array:
         """y, z (..., dim) -> (..., dim); each group of `group_size` channels is normalised
-        alone."""
-        y32 = y.astype(jnp.float32)
-        if z is not None:
-            y32 = y32 * jax.nn.silu(z.astype(jnp.float32))
-        groups = y32.reshape(*y32.shape[:-1], -1, self.group_size)
-        groups = groups * jax.lax.rsqrt(
-            jnp.mean(groups * groups, axis=-1, keepdims=True) + self.eps
+        alone (pallas_kernels.gated_norm; `impl` overrides the layer's). Under a mesh, the
+        kernels run per device on its rows and its groups; a group split over "tensor" is left
+        to XLA (its mean square is then an all-reduce)."""
+        impl = self.impl if impl is None else impl
+        if impl == "auto":
+            impl = "pallas" if kernels_by_default() else "reference"
+        norm = functools.partial(
+            gated_rms_norm, group_size=self.group_size, eps=self.eps, impl=impl
         )
-        return (self.weight[...] * groups.reshape(y32.shape)).astype(y.dtype)
+        weight = self.weight[...]
+        mesh = current_mesh()
+        tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+        if impl == "reference" or y.ndim != 3:
+            return norm(y, z, weight)
+        if (weight.shape[0] // self.group_size) % tensor:
+            return norm(y, z, weight, impl="reference")
+        rows = ("batch", "seq", "inner")
+        return per_device(
+            norm,
+            dict(y=y, z=z, weight=weight),
+            dict(y=rows, z=rows, weight=("inner",)),
+            [rows],
+            seq_aware=True,  # each token alone
+        )

@@ -1,0 +1,57 @@
+"""Public gated RMSNorm: input checks, the `impl=` switch and the kernels' custom VJP."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import backend
+from . import kernel
+from .reference import gated_rms_norm_reference
+
+IMPLS = ("auto", "reference", "pallas")
+
+
+def gated_rms_norm(y, z, weight, *, group_size: int, eps: float, impl="auto", interpret=None):
+    """Mamba-2's gated, grouped RMSNorm: y, z (..., e) (z None: no gate), weight (e,) -> (..., e)
+    in y's dtype (reference.py defines it). impl "auto" takes the Triton kernels on a GPU outside
+    automatically partitioned meshes, else the reference; "pallas" forces them (interpreted on a
+    CPU)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    e = y.shape[-1]
+    if weight.shape != (e,):
+        raise ValueError(f"weight must have shape ({e},) for y {y.shape}, got {weight.shape}")
+    if z is not None and z.shape != y.shape:
+        raise ValueError(f"z must have y's shape {y.shape}, got {z.shape}")
+    if group_size <= 0 or e % group_size:
+        raise ValueError(f"group_size must divide the last axis, {e}; got {group_size}")
+    if impl == "auto":
+        impl = "pallas" if backend.auto_picks_pallas() else "reference"
+    if impl == "reference":
+        return gated_rms_norm_reference(y, z, weight, group_size=group_size, eps=eps)
+    if jax.default_backend() == "tpu":
+        raise ValueError("impl='pallas' has Triton (GPU) kernels only; on a TPU use 'reference'")
+    shape = (-1, e // group_size, group_size)
+    z3 = None if z is None else z.reshape(shape)
+    out = _norm(y.reshape(shape), z3, weight.reshape(shape[1:]), eps, interpret)
+    return out.reshape(y.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _norm(y, z, weight, eps, interpret):
+    return kernel.forward(y, z, weight, eps=eps, interpret=interpret)[0]
+
+
+def _norm_fwd(y, z, weight, eps, interpret):
+    out, rstd = kernel.forward(y, z, weight, eps=eps, interpret=interpret)
+    return out, (y, z, weight, rstd)
+
+
+def _norm_bwd(eps, interpret, residuals, dout):
+    y, z, weight, rstd = residuals
+    dy, dz, dw_parts = kernel.backward(y, z, weight, rstd, dout, interpret=interpret)
+    return dy, dz, jnp.sum(dw_parts, axis=0).astype(weight.dtype)
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
