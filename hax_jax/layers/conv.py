@@ -12,6 +12,9 @@ from hax_jax.parallel import (
     per_device,
     seq_shards,
 )
+from pallas_kernels.backend import auto_picks_pallas
+from pallas_kernels.conv1d import causal_conv1d_pallas
+from pallas_kernels.conv1d import supports as conv_kernels_take
 
 
 class CausalConv1d(nnx.Module):
@@ -107,6 +110,11 @@ def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None):
     previous shard cost a copy of x per layer (6.7 ms of a 97 ms step at 1 x 32768, seq = 2)."""
     b, l, c = x.shape
     k = kernel.shape[0]
+    if auto_picks_pallas() and conv_kernels_take(l, k):
+        # The Triton kernels: one pass each way (pallas_kernels/conv1d); this function's own
+        # arithmetic below is their definition.
+        y = causal_conv1d_pallas(x, kernel, bias, state, seq_idx, state_seq_idx)
+        return y, _new_state(x, state, seq_idx, state_seq_idx)
     m = min(l, k - 1)  # outputs whose window reaches into the state
     kernel = kernel.astype(jnp.float32)
     xp = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0))).astype(jnp.float32)
@@ -127,11 +135,19 @@ def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None):
     y = y + jnp.pad(y_state, ((0, 0), (0, l - m), (0, 0)))
     if bias is not None:
         y = y + bias
-    if l >= k - 1:
-        new_state = x[:, l - (k - 1) :]
+    return y.astype(x.dtype), _new_state(x, state, seq_idx, state_seq_idx)
+
+
+def _new_state(x, state, seq_idx, state_seq_idx):
+    """The window after x: its last k - 1 inputs (with the state's where x is shorter), zeroed
+    where they belong to an earlier document than the row's last."""
+    l, k1 = x.shape[1], state.shape[1]
+    if l >= k1:
+        new_state = x[:, l - k1 :]
     else:
         new_state = jnp.concatenate([state.astype(x.dtype)[:, l:], x], axis=1)
     if seq_idx is not None:  # the next token continues the last document only
-        keep = seq_p[:, seq_p.shape[1] - (k - 1) :] == seq_idx[:, -1:]
+        seq_p = jnp.concatenate([state_seq_idx, seq_idx], axis=1)
+        keep = seq_p[:, seq_p.shape[1] - k1 :] == seq_idx[:, -1:]
         new_state = jnp.where(keep[..., None], new_state, 0)
-    return y.astype(x.dtype), new_state.astype(x.dtype)
+    return new_state.astype(x.dtype)

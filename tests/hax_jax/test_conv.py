@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hax_jax.layers.conv import causal_conv1d
+from pallas_kernels.conv1d import supports as conv_kernels_take
 
 # Per dtype of x / state, once: fp32 sums reordered; bf16 outputs rounded to bf16 once.
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -84,3 +85,99 @@ def test_new_state_is_the_last_inputs_of_the_last_document():
     _, new_state = causal_conv1d(x, kernel, bias, state, seq_idx, state_seq_idx)
     np.testing.assert_array_equal(new_state[1], x[1, -3:])  # one document
     np.testing.assert_array_equal(new_state[0], x[0, -3:])  # the last document began at 5
+
+
+# ------------------------------------------------------------- the Triton kernels (pallas_kernels)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("l, c", [(32, 24), (128, 20)])  # one chunk; four, over programs
+def test_kernels_equal_the_definition(monkeypatch, dtype, documents, l, c):
+    """The layer's conv with the kernels taken (interpreted here): output, new state and every
+    gradient, documents starting inside the state's reach, at chunk edges and at the last row."""
+    import hax_jax.layers.conv as conv
+    import pallas_kernels.conv1d.kernel as conv_kernel
+
+    monkeypatch.setattr(conv, "auto_picks_pallas", lambda: True)
+    monkeypatch.setattr(conv_kernel, "PROGRAMS", 4)  # several chunks a program where l allows
+    k, b = 4, 2
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (b, l, c)).astype(dtype)
+    kernel = jax.random.normal(keys[1], (k, c))
+    bias = jax.random.normal(keys[2], (c,))
+    state = jax.random.normal(keys[3], (b, k - 1, c)).astype(dtype)
+    seq_idx = state_seq_idx = None
+    if documents:
+        starts = np.zeros((b, l), np.int32)
+        starts[0, [p for p in (1, 5, 31, 33, 64, 95, l - 1) if p < l]] = 1
+        starts[1, l // 2] = 1
+        seq_idx = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+        state_seq_idx = jnp.array([[-1, 0, 0], [0, 0, 0]], jnp.int32)
+    cotangent = jax.random.normal(keys[4], x.shape).astype(dtype)
+
+    def vjp(f):
+        out, pull = jax.vjp(lambda *a: f(*a, seq_idx, state_seq_idx), x, kernel, bias, state)
+        return out, pull((cotangent, jnp.zeros_like(out[1])))
+
+    def definition(*args):
+        y = conv_by_definition(*args)
+        return y, conv.causal_conv1d(*args)[1]  # the new state: checked apart below
+
+    ours, oracle = vjp(conv.causal_conv1d), vjp(definition)
+    assert conv_kernels_take(l, k)
+    jaxpr = str(jax.make_jaxpr(lambda *a: conv.causal_conv1d(*a))(x, kernel, bias, state))
+    assert "causal_conv1d_fwd" in jaxpr
+    got, want = jax.tree.leaves(ours), jax.tree.leaves(oracle)
+    for name, a, e in zip(("y", "state", "x", "kernel", "bias", "dstate"), got, want, strict=True):
+        assert a.dtype == e.dtype, name
+        np.testing.assert_allclose(
+            a.astype(np.float32), e.astype(np.float32), err_msg=name, **TOL[dtype]
+        )
+    tail = np.array(x[:, -3:])
+    if documents:  # row 0's last document is its last row alone
+        tail[0, :2] = 0
+    np.testing.assert_array_equal(np.asarray(ours[0][1]), tail)
+
+
+def test_kernels_lower_for_cuda():
+    from pallas_kernels.backend import lower_for
+    from pallas_kernels.conv1d import causal_conv1d_pallas
+
+    x = jnp.ones((2, 256, 256), jnp.bfloat16)
+    args = (x, jnp.ones((4, 256)), jnp.ones((256,)), jnp.zeros((2, 3, 256), jnp.bfloat16))
+    seq = jnp.zeros((2, 256), jnp.int32), jnp.zeros((2, 3), jnp.int32)
+
+    def loss(*a):
+        return jnp.sum(causal_conv1d_pallas(*a, *seq, interpret=False).astype(jnp.float32))
+
+    text = lower_for("cuda", jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
+    assert "causal_conv1d_fwd" in text and "causal_conv1d_bwd" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("documents", [False, True])
+def test_kernels_compiled_on_gpu(documents):
+    from pallas_kernels.conv1d import causal_conv1d_pallas
+
+    b, l, c, k = 2, 2048, 4352, 4
+    keys = jax.random.split(jax.random.key(5), 5)
+    x = jax.random.normal(keys[0], (b, l, c)).astype(jnp.bfloat16)
+    kernel, bias = jax.random.normal(keys[1], (k, c)), jax.random.normal(keys[2], (c,))
+    state = jax.random.normal(keys[3], (b, k - 1, c)).astype(jnp.bfloat16)
+    seq = state_seq = None
+    if documents:
+        seq = jnp.cumsum(jax.random.uniform(keys[4], (b, l)) < 0.01, axis=1).astype(jnp.int32)
+        state_seq = jnp.zeros((b, k - 1), jnp.int32)
+    cotangent = jax.random.normal(keys[4], x.shape).astype(jnp.bfloat16)
+
+    def vjp(f):
+        out, pull = jax.vjp(lambda *a: f(*a, seq, state_seq), x, kernel, bias, state)
+        return out, pull(cotangent)
+
+    ours = jax.jit(lambda: vjp(lambda *a: causal_conv1d_pallas(*a, interpret=False)))()
+    want = jax.jit(lambda: vjp(conv_by_definition))()
+    for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.max(jnp.abs(e.astype(jnp.float32))))
+        err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - e.astype(jnp.float32))))
+        assert err <= TOL[jnp.bfloat16]["atol"] * scale

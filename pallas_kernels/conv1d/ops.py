@@ -1,0 +1,91 @@
+"""The causal conv's Triton kernels as a differentiable op (the definition and its pure-JAX path:
+hax_jax/layers/conv.py `causal_conv1d`)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import kernel as conv_kernel
+from .kernel import ROWS
+
+
+def supports(l: int, k: int) -> bool:
+    """Whether the kernels take rows of `l` with a `k`-tap kernel: whole T-row chunks, and the
+    window within one chunk."""
+    return l % ROWS == 0 and 1 <= k <= ROWS
+
+
+def causal_conv1d_pallas(x, kernel, bias, state, seq_idx=None, state_seq_idx=None, interpret=None):
+    """y (b, l, c) in x's dtype: bias + sum_j kernel[j] x_{t-(k-1)+j} over [state | x], taps
+    across documents zeroed. l a multiple of ROWS (`supports`)."""
+    b, l, c = x.shape
+    k = kernel.shape[0]
+    if not supports(l, k):
+        raise ValueError(
+            f"the conv kernels need l a multiple of {ROWS} and k <= {ROWS}; got l={l}, k={k}"
+        )
+    docs = None
+    if seq_idx is not None:
+        docs = (seq_idx.astype(jnp.int32), state_seq_idx.astype(jnp.int32))
+    return _conv(x, kernel, bias, state.astype(x.dtype), docs, interpret)
+
+
+def _head(state, x, fill=0):
+    """[state | x's first ROWS rows | fill] (b, 2 ROWS, ...): the first chunk's earlier rows."""
+    k1 = state.shape[1]
+    pad = [(0, 0), (0, ROWS - k1)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(jnp.concatenate([state, x[:, :ROWS]], axis=1), pad, constant_values=fill)
+
+
+def _tail(x, fill=0):
+    """[x's last ROWS rows | fill] (b, 2 ROWS, ...): what the last chunk's gradient reads after."""
+    pad = [(0, 0), (0, ROWS)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x[:, x.shape[1] - ROWS :], pad, constant_values=fill)
+
+
+def _forward(x, kernel, bias, state, docs, interpret):
+    seq = head_seq = None
+    if docs is not None:
+        seq, state_seq = docs
+        head_seq = _head(state_seq, seq, fill=-1)
+    return conv_kernel.forward(x, kernel, bias, _head(state, x), seq, head_seq, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _conv(x, kernel, bias, state, docs, interpret):
+    return _forward(x, kernel, bias, state, docs, interpret)
+
+
+def _conv_fwd(x, kernel, bias, state, docs, interpret):
+    return _forward(x, kernel, bias, state, docs, interpret), (x, kernel, bias, state, docs)
+
+
+def _conv_bwd(interpret, residuals, dy):
+    x, kernel, bias, state, docs = residuals
+    k = kernel.shape[0]
+    seq = head_seq = tail_seq = None
+    if docs is not None:
+        seq, state_seq = docs
+        head_seq, tail_seq = _head(state_seq, seq, fill=-1), _tail(seq, fill=-1)
+    dx, sums = conv_kernel.backward(
+        dy, _tail(dy), x, kernel, _head(state, x), seq, head_seq, tail_seq, interpret=interpret
+    )
+    sums = jnp.sum(sums, axis=(0, 1))  # (k + 1, c)
+    # State row i is tap j of output i - j (k - 1 rows: summed here).
+    g = dy[:, : k - 1].astype(jnp.float32)
+    rows = []
+    for i in range(k - 1):
+        row = jnp.zeros((x.shape[0], x.shape[2]), jnp.float32)
+        for j in range(i + 1):
+            term = g[:, i - j] * kernel[j].astype(jnp.float32)
+            if docs is not None:
+                term = jnp.where((docs[1][:, i] == docs[0][:, i - j])[:, None], term, 0.0)
+            row = row + term
+        rows.append(row)
+    dstate = jnp.stack(rows, axis=1) if rows else jnp.zeros_like(state, jnp.float32)
+    dbias = None if bias is None else sums[k].astype(bias.dtype)
+    return dx, sums[:k].astype(kernel.dtype), dbias, dstate.astype(state.dtype), None
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
