@@ -65,20 +65,25 @@ class CausalConv1d(nnx.Module):
             seq_aware=True,
         )
 
-    def step(self, x: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """One token: x (b, c), state (b, width-1, c) -> (y (b, c), new state)."""
+    def step(
+        self, x: jax.Array, state: jax.Array, *, silu: bool = False
+    ) -> tuple[jax.Array, jax.Array]:
+        """One token: x (b, c), state (b, width-1, c) -> (y (b, c), new state); `silu` as
+        `causal_conv1d`'s."""
         window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1).astype(jnp.float32)
         y = jnp.einsum("bkc,kc->bc", window, self.kernel[...].astype(jnp.float32))
         if self.bias is not None:
             y = y + self.bias[...]
+        if silu:
+            y = jax.nn.silu(y)
         return y.astype(x.dtype), window[:, 1:].astype(x.dtype)
 
 
-def conv_shard(x, kernel, bias, state, seq_idx, previous=None):
+def conv_shard(x, kernel, bias, state, seq_idx, previous=None, *, silu=False):
     """`causal_conv1d` of this shard of the sequence: its window comes from the previous shard
     (or `state` on the first; None: zeros); the new state is the last shard's. `previous`: the
     previous shard's last width - 1 inputs where the caller has them already (None: they are
-    passed here from x)."""
+    passed here from x). silu: as `causal_conv1d`'s."""
     k = kernel.shape[0]
     if state is None:
         # Made here, not passed into shard_map: a zero window XLA can see folds into a pad of x;
@@ -97,13 +102,14 @@ def conv_shard(x, kernel, bias, state, seq_idx, previous=None):
     if seq_idx is not None:
         first = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)  # the state's document: the first one
         state_seq_idx = from_previous_shard(seq_idx[:, seq_idx.shape[1] - (k - 1) :], first)
-    y, new_state = causal_conv1d(x, kernel, bias, state, seq_idx, state_seq_idx)
+    y, new_state = causal_conv1d(x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu)
     return y, from_last_shard(new_state)
 
 
-def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None):
+def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None, *, silu=False):
     """y_t = bias + sum_j kernel[j] x_{t - (k-1) + j} over [state | x] (b, k - 1 + l, c), with
-    taps across a change of seq_idx (state_seq_idx: the window's documents) zeroed.
+    taps across a change of seq_idx (state_seq_idx: the window's documents) zeroed; with `silu`,
+    SiLU(y_t) taken in fp32 and rounded once (as mamba_ssm's causal_conv1d_fn(activation="silu")).
 
     Computed as x's conv after k - 1 zeros (a pad XLA reads in place) plus the window's taps on
     the first k - 1 outputs: [state | x] itself is never built, which for a halo from the
@@ -113,7 +119,7 @@ def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None):
     if auto_picks_pallas() and conv_kernels_take(l, k):
         # The Triton kernels: one pass each way (pallas_kernels/conv1d); this function's own
         # arithmetic below is their definition.
-        y = causal_conv1d_pallas(x, kernel, bias, state, seq_idx, state_seq_idx)
+        y = causal_conv1d_pallas(x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu)
         return y, _new_state(x, state, seq_idx, state_seq_idx)
     m = min(l, k - 1)  # outputs whose window reaches into the state
     kernel = kernel.astype(jnp.float32)
@@ -135,6 +141,8 @@ def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None):
     y = y + jnp.pad(y_state, ((0, 0), (0, l - m), (0, 0)))
     if bias is not None:
         y = y + bias
+    if silu:
+        y = jax.nn.silu(y)
     return y.astype(x.dtype), _new_state(x, state, seq_idx, state_seq_idx)
 
 

@@ -211,9 +211,10 @@ class FusedConv1d(nnx.Module):
         return part_arrays(self)
 
     def step(
-        self, xs: Mapping[str, jax.Array], state: jax.Array
+        self, xs: Mapping[str, jax.Array], state: jax.Array, *, silu: bool = False
     ) -> tuple[dict[str, jax.Array], jax.Array]:
-        """One token: xs {part: (b, *shape)}, state (b, width - 1, total) -> (ys, new state)."""
+        """One token: xs {part: (b, *shape)}, state (b, width - 1, total) -> (ys, new state);
+        `silu` as layers/conv.py `causal_conv1d`'s."""
         x = fuse(xs, self.parts, lead=1)
         window = jnp.concatenate([state.astype(x.dtype), x[:, None]], axis=1).astype(jnp.float32)
         kernels, biases = self.arrays()
@@ -221,6 +222,8 @@ class FusedConv1d(nnx.Module):
         y = jnp.einsum("bkc,kc->bc", window, kernel.astype(jnp.float32))
         if biases is not None:
             y = y + fuse(biases, self.parts, lead=0)
+        if silu:
+            y = jax.nn.silu(y)
         return unfuse(y.astype(x.dtype), self.parts), window[:, 1:].astype(x.dtype)
 
 
@@ -261,10 +264,12 @@ def conv_parts(xs, kernels, biases, states, seq_idx, order: Sequence[str]):
     return apart(y, order, shapes), new_states
 
 
-def conv_joined(x, kernels, biases, states, seq_idx, order: Sequence[str], previous=None):
+def conv_joined(
+    x, kernels, biases, states, seq_idx, order: Sequence[str], previous=None, *, silu=False
+):
     """`conv_parts` on the parts already side by side in x (b, l, total), e.g. a contiguous slice
     of a fused projection's output (no copy): -> (y (b, l, total), new states per part).
-    `previous`: as `conv_shard`'s, joined the same way."""
+    `previous`: as `conv_shard`'s, joined the same way; `silu` as its."""
     kernel, shapes = side_by_side(kernels, order, lead=1)
     bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
     # Joined once and read: left to XLA, the join was fused into the conv's elementwise loops and
@@ -272,5 +277,5 @@ def conv_joined(x, kernels, biases, states, seq_idx, order: Sequence[str], previ
     # that read the joined kernel; on seq=2 the conv's own loop was one of them).
     kernel, bias = jax.lax.optimization_barrier((kernel, bias))
     state = None if states is None else side_by_side(states, order, lead=2)[0]
-    y, new_state = conv_shard(x, kernel, bias, state, seq_idx, previous)
+    y, new_state = conv_shard(x, kernel, bias, state, seq_idx, previous, silu=silu)
     return y, apart(new_state, order, shapes)

@@ -185,8 +185,7 @@ class MambaMixer(nnx.Module):
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
         proj = self.in_proj(u)
         x, z = proj["x"], proj["z"]
-        x, conv_state = self.conv1d.step(x, cache.conv)
-        x = jax.nn.silu(x)
+        x, conv_state = self.conv1d.step(x, cache.conv, silu=True)
         dt, B, C = self._dt_B_C(x)
         x32 = x.astype(jnp.float32)
         # h_t = exp(dt A) h_{t-1} + dt B x_t (Euler B, as the official code); y = C.h + D x.
@@ -205,8 +204,8 @@ def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *
     """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
     shard_map): -> (x post-conv (b, l, e), z (b, l, e), the conv's new state)."""
     proj = checkpoint_name(linear_parts(u, in_kernels, in_biases, dtype, ("x", "z")), SCAN_IO)
-    x, new_state = conv_shard(proj["x"], conv_kernel, conv_bias, conv_state, None)
-    return jax.nn.silu(x), proj["z"], new_state
+    x, new_state = conv_shard(proj["x"], conv_kernel, conv_bias, conv_state, None, silu=True)
+    return x, proj["z"], new_state
 
 
 def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers):

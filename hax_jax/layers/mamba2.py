@@ -116,13 +116,13 @@ class Mamba2Mixer(nnx.Module):
             else self.branch.init_cache(batch, capacity, self.dtype),
         )
 
-    def _project(self, u: jax.Array, conv, conv_state):
-        """u (..., d) -> z (..., e), x (..., h, p), B, C (..., g, n) post-conv and SiLU, dt (..., h)
-        fp32 positive, and the conv's new state; `conv` is the conv1d's __call__ or step."""
+    def _project_token(self, u: jax.Array, conv_state):
+        """u (b, d) -> z (b, e), x (b, h, p), B, C (b, g, n) post-conv and SiLU, dt (b, h) fp32
+        positive, and the conv's new state."""
         proj = self.in_proj(u)
         dt = jax.nn.softplus(proj["dt"].astype(jnp.float32) + self.dt_bias[...])
-        xBC, conv_state = conv({k: proj[k] for k in ("x", "B", "C")}, conv_state)
-        x, B, C = (jax.nn.silu(xBC[k]) for k in ("x", "B", "C"))
+        xBC, conv_state = self.conv1d.step({k: proj[k] for k in XBC}, conv_state, silu=True)
+        x, B, C = (xBC[k] for k in XBC)
         x = x.reshape(*x.shape[:-1], self.n_heads, self.headdim)
         return proj["z"], x, B, C, jnp.clip(dt, *self.dt_limit), conv_state
 
@@ -211,7 +211,7 @@ class Mamba2Mixer(nnx.Module):
 
     def step(self, u: jax.Array, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:
         """Recurrent mode, one token: u (b, d) -> (out (b, d), cache); constant cost per token."""
-        z, x, B, C, dt, conv_state = self._project(u, self.conv1d.step, cache.conv)
+        z, x, B, C, dt, conv_state = self._project_token(u, cache.conv)
         heads_per_group = self.n_heads // self.ngroups
         B = jnp.repeat(B.astype(jnp.float32), heads_per_group, axis=1)  # (b, h, n)
         C = jnp.repeat(C.astype(jnp.float32), heads_per_group, axis=1)
@@ -271,8 +271,10 @@ def _front_shard(
         tail = u[:, u.shape[1] - (width - 1) :]
         u_prev = from_previous_shard(tail, jnp.zeros_like(tail))
         previous = project(u_prev)[0][..., e : e + conv_dim]
-    xBC, new_conv = conv_joined(xBC, conv_kernels, conv_biases, conv_states, seq_idx, XBC, previous)
-    x, B, C = apart(jax.nn.silu(xBC), XBC, shapes[1:4]).values()
+    xBC, new_conv = conv_joined(
+        xBC, conv_kernels, conv_biases, conv_states, seq_idx, XBC, previous, silu=True
+    )
+    x, B, C = apart(xBC, XBC, shapes[1:4]).values()
     x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)
     y, h = ssd_sequence_parallel(
         x_blhp,

@@ -68,7 +68,7 @@ def _windows(t, k, x_ref, head_ref, seq_ref, head_seq_ref):
     return tiles, [p[1] == own for p in pairs]
 
 
-def _fwd_kernel(*refs, k, chunks, has_bias, has_seq):
+def _fwd_kernel(*refs, k, chunks, has_bias, has_seq, silu):
     x_ref, head_ref, w_ref, *refs = refs
     bias_ref = refs.pop(0) if has_bias else None
     seq_ref, head_seq_ref = (refs.pop(0), refs.pop(0)) if has_seq else (None, None)
@@ -80,27 +80,39 @@ def _fwd_kernel(*refs, k, chunks, has_bias, has_seq):
     def chunk(i, carry):
         t = pl.multiple_of((first + i) * ROWS, ROWS)
         tiles, same = _windows(t, k, x_ref, head_ref, seq_ref, head_seq_ref)
-        y_ref[pl.ds(t, ROWS), :] = (bias + _taps(k, same, tiles, w)).astype(y_ref.dtype)
+        y = bias + _taps(k, same, tiles, w)
+        if silu:
+            y = y * jax.nn.sigmoid(y)
+        y_ref[pl.ds(t, ROWS), :] = y.astype(y_ref.dtype)
         return carry
 
     jax.lax.fori_loop(0, chunks, chunk, 0)
 
 
-def _bwd_kernel(*refs, k, chunks, length, has_seq):
-    g_ref, tail_ref, x_ref, head_ref, w_ref, *refs = refs
+def silu_slope(pre):
+    """d silu(p) / dp at the pre-activation p (fp32)."""
+    sig = jax.nn.sigmoid(pre)
+    return sig * (1.0 + pre * (1.0 - sig))
+
+
+def _bwd_kernel(*refs, k, chunks, length, has_bias, has_seq, silu):
+    g_ref, g_tail_ref, x_ref, head_ref, w_ref, *refs = refs
+    x_tail_ref = refs.pop(0) if silu else None
+    bias_ref = refs.pop(0) if silu and has_bias else None
     if has_seq:
         seq_ref, head_seq_ref, tail_seq_ref, *refs = refs
     else:
         seq_ref = head_seq_ref = tail_seq_ref = None
     dx_ref, sums_ref = refs
     w = [w_ref[j, :].astype(F32) for j in range(k)]
+    bias = bias_ref[...].astype(F32) if bias_ref is not None else 0.0
     first = pl.program_id(2) * chunks
 
-    def later(t, s):
-        """Gradient rows t + s .. t + s + T (zeros past the row) and their documents."""
+    def later(t, s, ref, tail_ref):
+        """Rows t + s .. t + s + T of `ref` (past the row: of `tail_ref`) and their documents."""
 
-        def from_g():
-            rows = g_ref[pl.ds(t + s, ROWS), :]
+        def from_ref():
+            rows = ref[pl.ds(t + s, ROWS), :]
             return rows, None if seq_ref is None else seq_ref[pl.ds(t + s, ROWS)]
 
         def from_tail():
@@ -108,23 +120,40 @@ def _bwd_kernel(*refs, k, chunks, length, has_seq):
             return rows, None if seq_ref is None else tail_seq_ref[pl.ds(s, ROWS)]
 
         if s == 0:
-            return from_g()
-        return jax.lax.cond(t + ROWS == length, from_tail, from_g)
+            return from_ref()
+        return jax.lax.cond(t + ROWS == length, from_tail, from_ref)
+
+    def same_document(pairs, own):
+        return None if seq_ref is None else [p[1] == own for p in pairs]
 
     def chunk(i, sums):
         t = pl.multiple_of((first + i) * ROWS, ROWS)
-        g = g_ref[pl.ds(t, ROWS), :].astype(F32)
-        tiles, same = _windows(t, k, x_ref, head_ref, seq_ref, head_seq_ref)
-        taps = [tiles[j].astype(F32) * g for j in range(k)]
-        if same is not None:
-            taps = [jnp.where(same[j][:, None], taps[j], 0.0) for j in range(k)]
+        own = None if seq_ref is None else seq_ref[pl.ds(t, ROWS)]
+        # x at row offsets -(k - 1) .. 0 from the chunk (its taps), and with the SiLU also
+        # 1 .. k - 1: the later rows' pre-activations are recomputed, not stored.
+        xs = [_earlier(t, k - 1 - j, x_ref, head_ref, seq_ref, head_seq_ref, k) for j in range(k)]
+        if silu:
+            xs += [later(t, s, x_ref, x_tail_ref) for s in range(1, k)]
+        gs = [later(t, s, g_ref, g_tail_ref) for s in range(k)]  # rows t + s
+
+        def gradient_before_silu(s):
+            """dL/d(pre-activation) of rows t + s .. t + s + T (fp32)."""
+            g = gs[s][0].astype(F32)
+            if not silu:
+                return g
+            window = xs[s : s + k]
+            pre = bias + _taps(k, same_document(window, window[-1][1]), [p[0] for p in window], w)
+            return g * silu_slope(pre)
+
+        g_pre = [gradient_before_silu(s) for s in range(k)]
+        same = same_document(xs[:k], own)
+        taps = _taps_apart(k, same, [p[0] for p in xs[:k]], g_pre[0])
         sums = [sums[j] + jnp.sum(taps[j], axis=0) for j in range(k)] + [
-            sums[k] + jnp.sum(g, axis=0)
+            sums[k] + jnp.sum(g_pre[0], axis=0)
         ]
         # x_s is tap j of output s + k - 1 - j.
-        pairs = [later(t, k - 1 - j) for j in range(k)]
-        back = [None if seq_ref is None else p[1] == seq_ref[pl.ds(t, ROWS)] for p in pairs]
-        dx = _taps(k, None if seq_ref is None else back, [p[0] for p in pairs], w)
+        back = same_document([gs[k - 1 - j] for j in range(k)], own)
+        dx = _taps(k, back, [g_pre[k - 1 - j] for j in range(k)], w)
         dx_ref[pl.ds(t, ROWS), :] = dx.astype(dx_ref.dtype)
         return sums
 
@@ -132,6 +161,14 @@ def _bwd_kernel(*refs, k, chunks, length, has_seq):
     sums = jax.lax.fori_loop(0, chunks, chunk, [jnp.zeros((width,), F32)] * (k + 1))
     for j in range(k + 1):
         sums_ref[j, :] = sums[j]
+
+
+def _taps_apart(k, same, tiles, g):
+    """tile_j * g per tap (fp32), zeroed across documents where `same` gives masks."""
+    out = [tiles[j].astype(F32) * g for j in range(k)]
+    if same is None:
+        return out
+    return [jnp.where(same[j][:, None], out[j], 0.0) for j in range(k)]
 
 
 def _row_spec(length, channels):
@@ -142,9 +179,9 @@ def _seq_spec(length):
     return pl.BlockSpec((None, length), lambda b, c, t: (b, 0))
 
 
-def forward(x, kernel, bias, head, seq=None, head_seq=None, *, interpret=None):
-    """y (b, l, c) in x's dtype. head (b, 2T, c): [state | x's first T rows | zeros]; head_seq
-    the same of the documents."""
+def forward(x, kernel, bias, head, seq=None, head_seq=None, *, silu=False, interpret=None):
+    """y (b, l, c) in x's dtype (with `silu`, SiLU of it, taken in fp32). head (b, 2T, c):
+    [state | x's first T rows | zeros]; head_seq the same of the documents."""
     b, l, c = x.shape
     k = kernel.shape[0]
     channels, blocks, chunks = geometry(b, l, c)
@@ -162,7 +199,9 @@ def forward(x, kernel, bias, head, seq=None, head_seq=None, *, interpret=None):
         specs += [_seq_spec(l), _seq_spec(2 * ROWS)]
         args += [seq, head_seq]
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, k=k, chunks=chunks, has_bias=has_bias, has_seq=has_seq),
+        functools.partial(
+            _fwd_kernel, k=k, chunks=chunks, has_bias=has_bias, has_seq=has_seq, silu=silu
+        ),
         grid=(b, c // channels, blocks),
         in_specs=specs,
         out_specs=_row_spec(l, channels),
@@ -173,13 +212,28 @@ def forward(x, kernel, bias, head, seq=None, head_seq=None, *, interpret=None):
     )(*args)
 
 
-def backward(g, tail, x, kernel, head, seq=None, head_seq=None, tail_seq=None, *, interpret=None):
+def backward(
+    g,
+    g_tail,
+    x,
+    kernel,
+    head,
+    seq=None,
+    head_seq=None,
+    tail_seq=None,
+    *,
+    silu=None,
+    interpret=None,
+):
     """(dx (b, l, c) in x's dtype, sums (b, time blocks, k + 1, c) fp32: per program, the kernel's
-    k tap gradients and the bias's). tail (b, 2T, c): [g's last T rows | zeros]."""
+    k tap gradients and the bias's). g_tail (b, 2T, c): [g's last T rows | zeros]. silu: None, or
+    (x_tail, bias) where the output was SiLU'd: x_tail as g_tail of x, bias (c,) or None; the
+    pre-activations are then recomputed from x."""
     b, l, c = x.shape
     k = kernel.shape[0]
     channels, blocks, chunks = geometry(b, l, c)
     has_seq = seq is not None
+    has_bias = silu is not None and silu[1] is not None
     specs = [
         _row_spec(l, channels),
         _row_spec(2 * ROWS, channels),
@@ -187,12 +241,26 @@ def backward(g, tail, x, kernel, head, seq=None, head_seq=None, tail_seq=None, *
         _row_spec(2 * ROWS, channels),
         pl.BlockSpec((k, channels), lambda b, c, t: (0, c)),
     ]
-    args = [g, tail, x, head, kernel]
+    args = [g, g_tail, x, head, kernel]
+    if silu is not None:
+        specs.append(_row_spec(2 * ROWS, channels))
+        args.append(silu[0])
+    if has_bias:
+        specs.append(pl.BlockSpec((channels,), lambda b, c, t: (c,)))
+        args.append(silu[1])
     if has_seq:
         specs += [_seq_spec(l), _seq_spec(2 * ROWS), _seq_spec(2 * ROWS)]
         args += [seq, head_seq, tail_seq]
     return pl.pallas_call(
-        functools.partial(_bwd_kernel, k=k, chunks=chunks, length=l, has_seq=has_seq),
+        functools.partial(
+            _bwd_kernel,
+            k=k,
+            chunks=chunks,
+            length=l,
+            has_bias=has_bias,
+            has_seq=has_seq,
+            silu=silu is not None,
+        ),
         grid=(b, c // channels, blocks),
         in_specs=specs,
         out_specs=[

@@ -16,9 +16,12 @@ def supports(l: int, k: int) -> bool:
     return l % ROWS == 0 and 1 <= k <= ROWS
 
 
-def causal_conv1d_pallas(x, kernel, bias, state, seq_idx=None, state_seq_idx=None, interpret=None):
+def causal_conv1d_pallas(
+    x, kernel, bias, state, seq_idx=None, state_seq_idx=None, *, silu=False, interpret=None
+):
     """y (b, l, c) in x's dtype: bias + sum_j kernel[j] x_{t-(k-1)+j} over [state | x], taps
-    across documents zeroed. l a multiple of ROWS (`supports`)."""
+    across documents zeroed, and with `silu` its SiLU (in fp32, rounded once). l a multiple of
+    ROWS (`supports`)."""
     b, l, c = x.shape
     k = kernel.shape[0]
     if not supports(l, k):
@@ -28,7 +31,7 @@ def causal_conv1d_pallas(x, kernel, bias, state, seq_idx=None, state_seq_idx=Non
     docs = None
     if seq_idx is not None:
         docs = (seq_idx.astype(jnp.int32), state_seq_idx.astype(jnp.int32))
-    return _conv(x, kernel, bias, state.astype(x.dtype), docs, interpret)
+    return _conv(x, kernel, bias, state.astype(x.dtype), docs, silu, interpret)
 
 
 def _head(state, x, fill=0):
@@ -44,24 +47,44 @@ def _tail(x, fill=0):
     return jnp.pad(x[:, x.shape[1] - ROWS :], pad, constant_values=fill)
 
 
-def _forward(x, kernel, bias, state, docs, interpret):
+def _forward(x, kernel, bias, state, docs, silu, interpret):
     seq = head_seq = None
     if docs is not None:
         seq, state_seq = docs
         head_seq = _head(state_seq, seq, fill=-1)
-    return conv_kernel.forward(x, kernel, bias, _head(state, x), seq, head_seq, interpret=interpret)
+    head = _head(state, x)
+    return conv_kernel.forward(x, kernel, bias, head, seq, head_seq, silu=silu, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _conv(x, kernel, bias, state, docs, interpret):
-    return _forward(x, kernel, bias, state, docs, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _conv(x, kernel, bias, state, docs, silu, interpret):
+    return _forward(x, kernel, bias, state, docs, silu, interpret)
 
 
-def _conv_fwd(x, kernel, bias, state, docs, interpret):
-    return _forward(x, kernel, bias, state, docs, interpret), (x, kernel, bias, state, docs)
+def _conv_fwd(x, kernel, bias, state, docs, silu, interpret):
+    # Saved: the inputs only. The SiLU's slope is recomputed in the backward kernel: keeping
+    # the output for it cost 5.4 GiB at Mamba-2 130M, 32 x 2048 (H200).
+    y = _forward(x, kernel, bias, state, docs, silu, interpret)
+    return y, (x, kernel, bias, state, docs)
 
 
-def _conv_bwd(interpret, residuals, dy):
+def _first_pre_activations(x, kernel, bias, state, docs):
+    """The first k - 1 outputs before the SiLU (b, k - 1, c) fp32: the ones reading the state."""
+    k = kernel.shape[0]
+    window = jnp.concatenate([state, x[:, : k - 1]], axis=1).astype(jnp.float32)
+    if docs is not None:
+        window_docs = jnp.concatenate([docs[1], docs[0][:, : k - 1]], axis=1)
+    pre = [jnp.zeros_like(window[:, 0]) if bias is None else bias.astype(jnp.float32)] * (k - 1)
+    for r in range(k - 1):
+        for j in range(k):
+            term = window[:, r + j] * kernel[j].astype(jnp.float32)
+            if docs is not None:
+                term = jnp.where((window_docs[:, r + j] == docs[0][:, r])[:, None], term, 0.0)
+            pre[r] = pre[r] + term
+    return jnp.stack(pre, axis=1)
+
+
+def _conv_bwd(silu, interpret, residuals, dy):
     x, kernel, bias, state, docs = residuals
     k = kernel.shape[0]
     seq = head_seq = tail_seq = None
@@ -69,11 +92,22 @@ def _conv_bwd(interpret, residuals, dy):
         seq, state_seq = docs
         head_seq, tail_seq = _head(state_seq, seq, fill=-1), _tail(seq, fill=-1)
     dx, sums = conv_kernel.backward(
-        dy, _tail(dy), x, kernel, _head(state, x), seq, head_seq, tail_seq, interpret=interpret
+        dy,
+        _tail(dy),
+        x,
+        kernel,
+        _head(state, x),
+        seq,
+        head_seq,
+        tail_seq,
+        silu=(_tail(x), bias) if silu else None,
+        interpret=interpret,
     )
     sums = jnp.sum(sums, axis=(0, 1))  # (k + 1, c)
     # State row i is tap j of output i - j (k - 1 rows: summed here).
     g = dy[:, : k - 1].astype(jnp.float32)
+    if silu:
+        g = g * conv_kernel.silu_slope(_first_pre_activations(x, kernel, bias, state, docs))
     rows = []
     for i in range(k - 1):
         row = jnp.zeros((x.shape[0], x.shape[2]), jnp.float32)

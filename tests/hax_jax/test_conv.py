@@ -1,6 +1,9 @@
 """The depthwise causal conv (hax_jax/layers/conv.py), its output and the gradients of x, kernel,
 bias and state, against the definition: y_t = bias + sum_j kernel[j] w_{t+j} over w = [state | x],
-a tap kept only where it reads the output's own document."""
+a tap kept only where it reads the output's own document; with silu, SiLU(y_t) = y_t / (1 + e^-y_t)
+in fp32."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,7 @@ from pallas_kernels.conv1d import supports as conv_kernels_take
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def conv_by_definition(x, kernel, bias, state, seq_idx, state_seq_idx):
+def conv_by_definition(x, kernel, bias, state, seq_idx, state_seq_idx, silu=False):
     """The window of every output gathered explicitly, (b, l, k, c), in fp32."""
     b, l, c = x.shape
     k = kernel.shape[0]
@@ -27,6 +30,8 @@ def conv_by_definition(x, kernel, bias, state, seq_idx, state_seq_idx):
     y = jnp.einsum("blkc,kc->blc", windows, kernel.astype(jnp.float32))
     if bias is not None:
         y = y + bias
+    if silu:
+        y = y / (1.0 + jnp.exp(-y))
     return y.astype(x.dtype)
 
 
@@ -48,10 +53,11 @@ def inputs(l, k, dtype, *, documents, bias=True, seed=0):
     return x, kernel, bias, state, seq_idx, state_seq_idx
 
 
+@pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("l", [2, 3, 11])  # shorter than, as long as, longer than the window
-def test_forward_and_gradients_equal_the_definition(dtype, documents, l):
+def test_forward_and_gradients_equal_the_definition(dtype, documents, l, silu):
     x, kernel, bias, state, seq_idx, state_seq_idx = inputs(l, 4, dtype, documents=documents)
     cotangent = jax.random.normal(jax.random.key(9), x.shape).astype(dtype)
 
@@ -59,8 +65,8 @@ def test_forward_and_gradients_equal_the_definition(dtype, documents, l):
         y, pull = jax.vjp(lambda *a: conv(*a, seq_idx, state_seq_idx), x, kernel, bias, state)
         return y, pull(cotangent)
 
-    ours = vjp(lambda *a: causal_conv1d(*a)[0])
-    oracle = vjp(conv_by_definition)
+    ours = vjp(lambda *a: causal_conv1d(*a, silu=silu)[0])
+    oracle = vjp(lambda *a: conv_by_definition(*a, silu=silu))
     tol = TOL[dtype]
     np.testing.assert_allclose(ours[0].astype(np.float32), oracle[0].astype(np.float32), **tol)
     for name, got, want in zip(("x", "kernel", "bias", "state"), ours[1], oracle[1], strict=True):
@@ -90,10 +96,11 @@ def test_new_state_is_the_last_inputs_of_the_last_document():
 # ------------------------------------------------------------- the Triton kernels (pallas_kernels)
 
 
+@pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("l, c", [(32, 24), (128, 20)])  # one chunk; four, over programs
-def test_kernels_equal_the_definition(monkeypatch, dtype, documents, l, c):
+def test_kernels_equal_the_definition(monkeypatch, dtype, documents, l, c, silu):
     """The layer's conv with the kernels taken (interpreted here): output, new state and every
     gradient, documents starting inside the state's reach, at chunk edges and at the last row."""
     import hax_jax.layers.conv as conv
@@ -121,10 +128,10 @@ def test_kernels_equal_the_definition(monkeypatch, dtype, documents, l, c):
         return out, pull((cotangent, jnp.zeros_like(out[1])))
 
     def definition(*args):
-        y = conv_by_definition(*args)
+        y = conv_by_definition(*args, silu=silu)
         return y, conv.causal_conv1d(*args)[1]  # the new state: checked apart below
 
-    ours, oracle = vjp(conv.causal_conv1d), vjp(definition)
+    ours, oracle = vjp(functools.partial(conv.causal_conv1d, silu=silu)), vjp(definition)
     assert conv_kernels_take(l, k)
     jaxpr = str(jax.make_jaxpr(lambda *a: conv.causal_conv1d(*a))(x, kernel, bias, state))
     assert "causal_conv1d_fwd" in jaxpr
@@ -140,7 +147,8 @@ def test_kernels_equal_the_definition(monkeypatch, dtype, documents, l, c):
     np.testing.assert_array_equal(np.asarray(ours[0][1]), tail)
 
 
-def test_kernels_lower_for_cuda():
+@pytest.mark.parametrize("silu", [False, True])
+def test_kernels_lower_for_cuda(silu):
     from pallas_kernels.backend import lower_for
     from pallas_kernels.conv1d import causal_conv1d_pallas
 
@@ -149,15 +157,17 @@ def test_kernels_lower_for_cuda():
     seq = jnp.zeros((2, 256), jnp.int32), jnp.zeros((2, 3), jnp.int32)
 
     def loss(*a):
-        return jnp.sum(causal_conv1d_pallas(*a, *seq, interpret=False).astype(jnp.float32))
+        y = causal_conv1d_pallas(*a, *seq, silu=silu, interpret=False)
+        return jnp.sum(y.astype(jnp.float32))
 
     text = lower_for("cuda", jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
     assert "causal_conv1d_fwd" in text and "causal_conv1d_bwd" in text
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("documents", [False, True])
-def test_kernels_compiled_on_gpu(documents):
+def test_kernels_compiled_on_gpu(documents, silu):
     from pallas_kernels.conv1d import causal_conv1d_pallas
 
     b, l, c, k = 2, 2048, 4352, 4
@@ -175,8 +185,8 @@ def test_kernels_compiled_on_gpu(documents):
         out, pull = jax.vjp(lambda *a: f(*a, seq, state_seq), x, kernel, bias, state)
         return out, pull(cotangent)
 
-    ours = jax.jit(lambda: vjp(lambda *a: causal_conv1d_pallas(*a, interpret=False)))()
-    want = jax.jit(lambda: vjp(conv_by_definition))()
+    ours = jax.jit(lambda: vjp(lambda *a: causal_conv1d_pallas(*a, silu=silu, interpret=False)))()
+    want = jax.jit(lambda: vjp(lambda *a: conv_by_definition(*a, silu=silu)))()
     for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         scale = float(jnp.max(jnp.abs(e.astype(jnp.float32))))
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - e.astype(jnp.float32))))
