@@ -19,11 +19,14 @@ from ..backend import compiler_params, interpret_for
 F32 = jnp.float32
 ROWS = 32  # T, rows a chunk
 PROGRAMS = 2048  # programs aimed at
+# Channels a program of the backward with the SiLU, which holds about twice the forward's tiles.
+SILU_BACKWARD_CHANNELS = 32
 
 
-def geometry(b: int, l: int, c: int) -> tuple[int, int, int]:
-    """(channels a program, time blocks, chunks a time block); l a multiple of ROWS."""
-    channels = next(w for w in (128, 64, 32, 16, 8, 4, 2, 1) if c % w == 0)
+def geometry(b: int, l: int, c: int, widest: int = 128) -> tuple[int, int, int]:
+    """(channels a program, at most `widest`; time blocks, chunks a time block); l a multiple of
+    ROWS."""
+    channels = next(w for w in (128, 64, 32, 16, 8, 4, 2, 1) if w <= widest and c % w == 0)
     chunks = l // ROWS
     blocks = 1
     while blocks * 2 <= chunks and chunks % (blocks * 2) == 0:
@@ -129,31 +132,36 @@ def _bwd_kernel(*refs, k, chunks, length, has_bias, has_seq, silu):
     def chunk(i, sums):
         t = pl.multiple_of((first + i) * ROWS, ROWS)
         own = None if seq_ref is None else seq_ref[pl.ds(t, ROWS)]
-        # x at row offsets -(k - 1) .. 0 from the chunk (its taps), and with the SiLU also
-        # 1 .. k - 1: the later rows' pre-activations are recomputed, not stored.
-        xs = [_earlier(t, k - 1 - j, x_ref, head_ref, seq_ref, head_seq_ref, k) for j in range(k)]
-        if silu:
-            xs += [later(t, s, x_ref, x_tail_ref) for s in range(1, k)]
-        gs = [later(t, s, g_ref, g_tail_ref) for s in range(k)]  # rows t + s
+        x_rows = {}  # x's rows at an offset from the chunk, loaded at their first use
 
-        def gradient_before_silu(s):
-            """dL/d(pre-activation) of rows t + s .. t + s + T (fp32)."""
-            g = gs[s][0].astype(F32)
-            if not silu:
-                return g
-            window = xs[s : s + k]
-            pre = bias + _taps(k, same_document(window, window[-1][1]), [p[0] for p in window], w)
-            return g * silu_slope(pre)
+        def x_at(o):
+            if o not in x_rows:
+                x_rows[o] = (
+                    _earlier(t, -o, x_ref, head_ref, seq_ref, head_seq_ref, k)
+                    if o <= 0
+                    else later(t, o, x_ref, x_tail_ref)
+                )
+            return x_rows[o]
 
-        g_pre = [gradient_before_silu(s) for s in range(k)]
-        same = same_document(xs[:k], own)
-        taps = _taps_apart(k, same, [p[0] for p in xs[:k]], g_pre[0])
-        sums = [sums[j] + jnp.sum(taps[j], axis=0) for j in range(k)] + [
-            sums[k] + jnp.sum(g_pre[0], axis=0)
-        ]
-        # x_s is tap j of output s + k - 1 - j.
-        back = same_document([gs[k - 1 - j] for j in range(k)], own)
-        dx = _taps(k, back, [g_pre[k - 1 - j] for j in range(k)], w)
+        # Rows t + s, s = 0 .. k - 1, one at a time (few tiles live): their gradient before the
+        # SiLU (its pre-activation recomputed from x, not stored) reaches x_t.. through tap
+        # k - 1 - s; rows t's gives the kernel's and bias's.
+        dx = 0.0
+        for s in range(k):
+            g_rows, g_docs = later(t, s, g_ref, g_tail_ref)
+            g = g_rows.astype(F32)
+            if silu:
+                window = [x_at(s - (k - 1) + j) for j in range(k)]
+                same = same_document(window, window[-1][1])
+                g = g * silu_slope(bias + _taps(k, same, [p[0] for p in window], w))
+            if s == 0:
+                window = [x_at(j - (k - 1)) for j in range(k)]
+                taps = _taps_apart(k, same_document(window, own), [p[0] for p in window], g)
+                sums = [sums[j] + jnp.sum(taps[j], axis=0) for j in range(k)] + [
+                    sums[k] + jnp.sum(g, axis=0)
+                ]
+            term = g * w[k - 1 - s]
+            dx = dx + (term if seq_ref is None else jnp.where((g_docs == own)[:, None], term, 0.0))
         dx_ref[pl.ds(t, ROWS), :] = dx.astype(dx_ref.dtype)
         return sums
 
@@ -231,7 +239,8 @@ def backward(
     pre-activations are then recomputed from x."""
     b, l, c = x.shape
     k = kernel.shape[0]
-    channels, blocks, chunks = geometry(b, l, c)
+    widest = 128 if silu is None else SILU_BACKWARD_CHANNELS
+    channels, blocks, chunks = geometry(b, l, c, widest)
     has_seq = seq is not None
     has_bias = silu is not None and silu[1] is not None
     specs = [
