@@ -52,8 +52,10 @@ def _forward(x, kernel, bias, state, docs, silu, interpret):
     if docs is not None:
         seq, state_seq = docs
         head_seq = _head(state_seq, seq, fill=-1)
-    head = _head(state, x)
-    return conv_kernel.forward(x, kernel, bias, head, seq, head_seq, silu=silu, interpret=interpret)
+    activation = "silu" if silu else None
+    return conv_kernel.forward(
+        x, kernel, bias, _head(state, x), seq, head_seq, activation=activation, interpret=interpret
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -62,52 +64,37 @@ def _conv(x, kernel, bias, state, docs, silu, interpret):
 
 
 def _conv_fwd(x, kernel, bias, state, docs, silu, interpret):
-    # Saved: the inputs only. The SiLU's slope is recomputed in the backward kernel: keeping
-    # the output for it cost 5.4 GiB at Mamba-2 130M, 32 x 2048 (H200).
+    # Saved: the inputs only; the backward recomputes the SiLU's slope. Keeping the conv's
+    # output for it, with the SiLU left to XLA, cost 5.4 GiB at Mamba-2 130M, 32 x 2048 (H200).
     y = _forward(x, kernel, bias, state, docs, silu, interpret)
     return y, (x, kernel, bias, state, docs)
-
-
-def _first_pre_activations(x, kernel, bias, state, docs):
-    """The first k - 1 outputs before the SiLU (b, k - 1, c) fp32: the ones reading the state."""
-    k = kernel.shape[0]
-    window = jnp.concatenate([state, x[:, : k - 1]], axis=1).astype(jnp.float32)
-    if docs is not None:
-        window_docs = jnp.concatenate([docs[1], docs[0][:, : k - 1]], axis=1)
-    pre = [jnp.zeros_like(window[:, 0]) if bias is None else bias.astype(jnp.float32)] * (k - 1)
-    for r in range(k - 1):
-        for j in range(k):
-            term = window[:, r + j] * kernel[j].astype(jnp.float32)
-            if docs is not None:
-                term = jnp.where((window_docs[:, r + j] == docs[0][:, r])[:, None], term, 0.0)
-            pre[r] = pre[r] + term
-    return jnp.stack(pre, axis=1)
 
 
 def _conv_bwd(silu, interpret, residuals, dy):
     x, kernel, bias, state, docs = residuals
     k = kernel.shape[0]
     seq = head_seq = tail_seq = None
+    head = _head(state, x)
     if docs is not None:
         seq, state_seq = docs
         head_seq, tail_seq = _head(state_seq, seq, fill=-1), _tail(seq, fill=-1)
-    dx, sums = conv_kernel.backward(
-        dy,
-        _tail(dy),
-        x,
-        kernel,
-        _head(state, x),
-        seq,
-        head_seq,
-        tail_seq,
-        silu=(_tail(x), bias) if silu else None,
-        interpret=interpret,
-    )
+    if silu:
+        # The pre-activation's gradient (in dy's dtype) and the kernel's and bias's from it in
+        # fp32, in one pass like the forward's; then dx alone.
+        g, sums = conv_kernel.forward(
+            x, kernel, bias, head, seq, head_seq, activation="silu_grad", g=dy, interpret=interpret
+        )
+        dx, _ = conv_kernel.backward(
+            g, _tail(g), kernel, seq=seq, head_seq=head_seq, tail_seq=tail_seq, interpret=interpret
+        )
+    else:
+        g = dy
+        dx, sums = conv_kernel.backward(
+            g, _tail(g), kernel, x, head, seq, head_seq, tail_seq, interpret=interpret
+        )
     sums = jnp.sum(sums, axis=(0, 1))  # (k + 1, c)
     # State row i is tap j of output i - j (k - 1 rows: summed here).
-    g = dy[:, : k - 1].astype(jnp.float32)
-    if silu:
-        g = g * conv_kernel.silu_slope(_first_pre_activations(x, kernel, bias, state, docs))
+    g = g[:, : k - 1].astype(jnp.float32)
     rows = []
     for i in range(k - 1):
         row = jnp.zeros((x.shape[0], x.shape[2]), jnp.float32)
