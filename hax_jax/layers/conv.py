@@ -1,5 +1,7 @@
 """Depthwise causal conv1d over (b, l, c), with its window as explicit state."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -79,48 +81,62 @@ class CausalConv1d(nnx.Module):
         return y.astype(x.dtype), window[:, 1:].astype(x.dtype)
 
 
-def conv_shard(x, kernel, bias, state, seq_idx, previous=None, *, silu=False):
+def conv_shard(x, kernel, bias, state, seq_idx, previous=None, *, silu=False, start=0, parts=None):
     """`causal_conv1d` of this shard of the sequence: its window comes from the previous shard
     (or `state` on the first; None: zeros); the new state is the last shard's. `previous`: the
     previous shard's last width - 1 inputs where the caller has them already (None: they are
-    passed here from x). silu: as `causal_conv1d`'s."""
-    k = kernel.shape[0]
+    passed here from x). silu, start, parts: as `causal_conv1d`'s."""
+    k, c = kernel.shape
     if state is None:
         # Made here, not passed into shard_map: a zero window XLA can see folds into a pad of x;
         # an opaque operand makes it copy [state | x] (3.3 ms a step at 130M, data=2 on H100s).
-        state = jnp.zeros((x.shape[0], k - 1, x.shape[2]), x.dtype)
+        state = jnp.zeros((x.shape[0], k - 1, c), x.dtype)
     if seq_shards() > 1 and x.shape[1] < k - 1:
         raise ValueError(
             f"each sequence shard holds {x.shape[1]} positions, fewer than the conv's "
             f"width - 1 = {k - 1}: use fewer seq shards or a longer sequence"
         )
     if previous is None:
-        state = from_previous_shard(x[:, x.shape[1] - (k - 1) :].astype(state.dtype), state)
+        tail = x[:, x.shape[1] - (k - 1) :, start : start + c]
+        state = from_previous_shard(tail.astype(state.dtype), state)
     elif seq_shards() > 1:
         state = on_first_shard(state, previous.astype(state.dtype))
     state_seq_idx = None
     if seq_idx is not None:
         first = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)  # the state's document: the first one
         state_seq_idx = from_previous_shard(seq_idx[:, seq_idx.shape[1] - (k - 1) :], first)
-    y, new_state = causal_conv1d(x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu)
+    y, new_state = causal_conv1d(
+        x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu, start=start, parts=parts
+    )
     return y, from_last_shard(new_state)
 
 
-def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None, *, silu=False):
+def causal_conv1d(
+    x, kernel, bias, state, seq_idx=None, state_seq_idx=None, *, silu=False, start=0, parts=None
+):
     """y_t = bias + sum_j kernel[j] x_{t - (k-1) + j} over [state | x] (b, k - 1 + l, c), with
     taps across a change of seq_idx (state_seq_idx: the window's documents) zeroed; with `silu`,
     SiLU(y_t) taken in fp32 and rounded once (as mamba_ssm's causal_conv1d_fn(activation="silu")).
+    -> (y, the new state).
+
+    x may be wider than the conv's c = kernel.shape[1] channels, which are x's start .. start + c
+    (a projection's whole output: the kernels read it in place, where a slice would be copied for
+    them). parts: widths summing to c; y is then a tuple of them (the kernels write each apart).
 
     Computed as x's conv after k - 1 zeros (a pad XLA reads in place) plus the window's taps on
     the first k - 1 outputs: [state | x] itself is never built, which for a halo from the
     previous shard cost a copy of x per layer (6.7 ms of a 97 ms step at 1 x 32768, seq = 2)."""
-    b, l, c = x.shape
-    k = kernel.shape[0]
+    b, l, _ = x.shape
+    k, c = kernel.shape
     if auto_picks_pallas() and conv_kernels_take(l, k):
         # The Triton kernels: one pass each way (pallas_kernels/conv1d); this function's own
         # arithmetic below is their definition.
-        y = causal_conv1d_pallas(x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu)
-        return y, _new_state(x, state, seq_idx, state_seq_idx)
+        y = causal_conv1d_pallas(
+            x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu, start=start, parts=parts
+        )
+        x_end = x[:, max(0, l - (k - 1)) :, start : start + c]
+        return y, _new_state(x_end, state, seq_idx, state_seq_idx)
+    x = x[..., start : start + c]
     m = min(l, k - 1)  # outputs whose window reaches into the state
     kernel = kernel.astype(jnp.float32)
     xp = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0))).astype(jnp.float32)
@@ -143,7 +159,10 @@ def causal_conv1d(x, kernel, bias, state, seq_idx=None, state_seq_idx=None, *, s
         y = y + bias
     if silu:
         y = jax.nn.silu(y)
-    return y.astype(x.dtype), _new_state(x, state, seq_idx, state_seq_idx)
+    y = y.astype(x.dtype)
+    if parts is not None:
+        y = tuple(jnp.split(y, list(itertools.accumulate(parts))[:-1], axis=-1))
+    return y, _new_state(x, state, seq_idx, state_seq_idx)
 
 
 def _new_state(x, state, seq_idx, state_seq_idx):

@@ -259,17 +259,26 @@ def conv_parts(xs, kernels, biases, states, seq_idx, order: Sequence[str]):
     side by side in `order` so a split "seq" passes one halo for all: xs {part: (b, l, *shape)},
     kernels {part: (width, *shape)}, biases {part: shape} or None, states {part: (b, width - 1,
     *shape)} -> (ys as xs, new states as states)."""
-    x, shapes = side_by_side(xs, order, lead=2)
-    y, new_states = conv_joined(x, kernels, biases, states, seq_idx, order)
-    return apart(y, order, shapes), new_states
+    x, _ = side_by_side(xs, order, lead=2)
+    return conv_joined(x, kernels, biases, states, seq_idx, order)
 
 
 def conv_joined(
-    x, kernels, biases, states, seq_idx, order: Sequence[str], previous=None, *, silu=False
+    x,
+    kernels,
+    biases,
+    states,
+    seq_idx,
+    order: Sequence[str],
+    previous=None,
+    *,
+    silu=False,
+    start=0,
 ):
-    """`conv_parts` on the parts already side by side in x (b, l, total), e.g. a contiguous slice
-    of a fused projection's output (no copy): -> (y (b, l, total), new states per part).
-    `previous`: as `conv_shard`'s, joined the same way; `silu` as its."""
+    """`conv_parts` on the parts already side by side in x (b, l, >= start + total) from channel
+    `start`, e.g. a fused projection's whole output (read in place): -> (ys {part: (b, l,
+    *shape)}, new states per part). `previous`: as `conv_shard`'s, joined the same way; `silu` as
+    its."""
     kernel, shapes = side_by_side(kernels, order, lead=1)
     bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
     # Joined once and read: left to XLA, the join was fused into the conv's elementwise loops and
@@ -277,5 +286,12 @@ def conv_joined(
     # that read the joined kernel; on seq=2 the conv's own loop was one of them).
     kernel, bias = jax.lax.optimization_barrier((kernel, bias))
     state = None if states is None else side_by_side(states, order, lead=2)[0]
-    y, new_state = conv_shard(x, kernel, bias, state, seq_idx, previous, silu=silu)
-    return y, apart(new_state, order, shapes)
+    widths = [math.prod(shape) for shape in shapes]
+    ys, new_state = conv_shard(
+        x, kernel, bias, state, seq_idx, previous, silu=silu, start=start, parts=widths
+    )
+    ys = {
+        name: y.reshape(*y.shape[:2], *shape)
+        for name, y, shape in zip(order, ys, shapes, strict=True)
+    }
+    return ys, apart(new_state, order, shapes)

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from hax_jax.config import DEFAULT_CAPACITY, SCAN_STATES_SHARE, ModelConfig
 from hax_jax.layers import SCAN_IO, init
 from hax_jax.layers.conv import CausalConv1d, conv_shard
-from hax_jax.layers.fused import FusedLinear, Part, linear_parts
+from hax_jax.layers.fused import FusedLinear, Part, fused_linear
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
 from hax_jax.parallel import per_device, selective_scan_sequence_parallel, seq_shards
 from pallas_kernels.selective_scan import saved_states_bytes
@@ -203,9 +203,11 @@ class MambaMixer(nnx.Module):
 def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype):
     """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
     shard_map): -> (x post-conv (b, l, e), z (b, l, e), the conv's new state)."""
-    proj = checkpoint_name(linear_parts(u, in_kernels, in_biases, dtype, ("x", "z")), SCAN_IO)
-    x, new_state = conv_shard(proj["x"], conv_kernel, conv_bias, conv_state, None, silu=True)
-    return x, proj["z"], new_state
+    xz, shapes = fused_linear(u, in_kernels, in_biases, dtype, ("x", "z"))
+    xz = checkpoint_name(xz, SCAN_IO)
+    # The conv reads x in place in in_proj's output (its first channels).
+    x, new_state = conv_shard(xz, conv_kernel, conv_bias, conv_state, None, silu=True)
+    return x, xz[..., shapes[0][0] :], new_state
 
 
 def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers):

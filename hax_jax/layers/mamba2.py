@@ -15,7 +15,6 @@ from hax_jax.layers.fused import (
     FusedConv1d,
     FusedLinear,
     Part,
-    apart,
     conv_joined,
     fuse,
     fused_linear,
@@ -260,7 +259,7 @@ def _front_shard(
     zxbcdt, shapes = project(u)
     zxbcdt = checkpoint_name(zxbcdt, SCAN_IO)
     e, conv_dim = shapes[0][0], sum(math.prod(s) for s in shapes[1:4])
-    z, xBC, dt = jnp.split(zxbcdt, [e, e + conv_dim], axis=-1)
+    z, _, dt = jnp.split(zxbcdt, [e, e + conv_dim], axis=-1)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
     previous = None
     if seq_shards() > 1:
@@ -271,10 +270,11 @@ def _front_shard(
         tail = u[:, u.shape[1] - (width - 1) :]
         u_prev = from_previous_shard(tail, jnp.zeros_like(tail))
         previous = project(u_prev)[0][..., e : e + conv_dim]
+    # The conv reads x, B, C in place in in_proj's output and writes them apart.
     xBC, new_conv = conv_joined(
-        xBC, conv_kernels, conv_biases, conv_states, seq_idx, XBC, previous, silu=True
+        zxbcdt, conv_kernels, conv_biases, conv_states, seq_idx, XBC, previous, silu=True, start=e
     )
-    x, B, C = apart(xBC, XBC, shapes[1:4]).values()
+    x, B, C = xBC.values()
     x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)
     y, h = ssd_sequence_parallel(
         x_blhp,

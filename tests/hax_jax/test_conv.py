@@ -148,45 +148,112 @@ def test_kernels_equal_the_definition(monkeypatch, dtype, documents, l, c, silu)
 
 
 @pytest.mark.parametrize("silu", [False, True])
-def test_kernels_lower_for_cuda(silu):
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_channels_of_a_wider_input_written_in_parts(monkeypatch, kernels, documents, silu):
+    """The conv of x's channels 8 .. 32 of 36 (a projection's output read in place), y written
+    as parts of 16 and 8: each part, the new state and every gradient (x's zero outside those
+    channels) as the definition's on the slice."""
+    import hax_jax.layers.conv as conv
+    import pallas_kernels.conv1d.kernel as conv_kernel
+
+    monkeypatch.setattr(conv, "auto_picks_pallas", lambda: kernels)
+    monkeypatch.setattr(conv_kernel, "PROGRAMS", 4)
+    b, l, k, start, parts = 2, 64, 4, 8, (16, 8)
+    keys = jax.random.split(jax.random.key(4), 6)
+    x = jax.random.normal(keys[0], (b, l, 36))
+    kernel, bias = jax.random.normal(keys[1], (k, 24)), jax.random.normal(keys[2], (24,))
+    state = jax.random.normal(keys[3], (b, k - 1, 24))
+    seq_idx = state_seq_idx = None
+    if documents:
+        starts = np.zeros((b, l), np.int32)
+        starts[0, [2, 31, 32, 50]] = 1
+        seq_idx = jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+        state_seq_idx = jnp.zeros((b, k - 1), jnp.int32)
+    cotangents = [jax.random.normal(keys[4 + i], (b, l, w)) for i, w in enumerate(parts)]
+
+    def ours(x, kernel, bias, state):
+        out = conv.causal_conv1d(
+            x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu, start=start, parts=parts
+        )
+        return tuple(out[0]), out[1]
+
+    def definition(x, kernel, bias, state):
+        window = x[..., start : start + 24]
+        y = conv_by_definition(window, kernel, bias, state, seq_idx, state_seq_idx, silu=silu)
+        new_state = conv.causal_conv1d(window, kernel, bias, state, seq_idx, state_seq_idx)[1]
+        return (y[..., :16], y[..., 16:]), new_state
+
+    def vjp(f):
+        out, pull = jax.vjp(f, x, kernel, bias, state)
+        return out, pull((tuple(cotangents), jnp.zeros_like(out[1])))
+
+    got, want = jax.tree.leaves(vjp(ours)), jax.tree.leaves(vjp(definition))
+    names = ("y0", "y1", "state", "x", "kernel", "bias", "dstate")
+    for name, a, e in zip(names, got, want, strict=True):
+        assert a.shape == e.shape, name
+        np.testing.assert_allclose(a, e, err_msg=name, **TOL[jnp.float32])
+    if kernels:
+        jaxpr = str(jax.make_jaxpr(ours)(x, kernel, bias, state))
+        assert "causal_conv1d_fwd" in jaxpr
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernels_lower_for_cuda(silu, in_place):
+    """Lowered for CUDA: the plain conv, and one reading channels 128 .. 384 of a 512-wide x and
+    writing them as two parts."""
     from pallas_kernels.backend import lower_for
     from pallas_kernels.conv1d import causal_conv1d_pallas
 
-    x = jnp.ones((2, 256, 256), jnp.bfloat16)
+    x = jnp.ones((2, 256, 512 if in_place else 256), jnp.bfloat16)
     args = (x, jnp.ones((4, 256)), jnp.ones((256,)), jnp.zeros((2, 3, 256), jnp.bfloat16))
     seq = jnp.zeros((2, 256), jnp.int32), jnp.zeros((2, 3), jnp.int32)
+    where = dict(start=128, parts=(128, 128)) if in_place else {}
 
     def loss(*a):
-        y = causal_conv1d_pallas(*a, *seq, silu=silu, interpret=False)
-        return jnp.sum(y.astype(jnp.float32))
+        y = causal_conv1d_pallas(*a, *seq, silu=silu, interpret=False, **where)
+        return sum(jnp.sum(part.astype(jnp.float32)) for part in jax.tree.leaves(y))
 
     text = lower_for("cuda", jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
     assert "causal_conv1d_fwd" in text and "causal_conv1d_bwd" in text
+    assert ("causal_conv1d_silu_bwd" in text) == silu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("documents", [False, True])
-def test_kernels_compiled_on_gpu(documents, silu):
+@pytest.mark.parametrize(
+    "documents, silu, in_place", [(False, False, False), (False, True, True), (True, True, True)]
+)
+def test_kernels_compiled_on_gpu(documents, silu, in_place):
+    """Compiled, at Mamba-2 1.3B's conv width; in place: as the model calls them, reading the
+    channels after z (4096) of in_proj's output and writing x, B, C apart."""
     from pallas_kernels.conv1d import causal_conv1d_pallas
 
     b, l, c, k = 2, 2048, 4352, 4
+    start, width, parts = (4096, 8480, (4096, 128, 128)) if in_place else (0, c, None)
     keys = jax.random.split(jax.random.key(5), 5)
-    x = jax.random.normal(keys[0], (b, l, c)).astype(jnp.bfloat16)
+    x = jax.random.normal(keys[0], (b, l, width)).astype(jnp.bfloat16)
     kernel, bias = jax.random.normal(keys[1], (k, c)), jax.random.normal(keys[2], (c,))
     state = jax.random.normal(keys[3], (b, k - 1, c)).astype(jnp.bfloat16)
     seq = state_seq = None
     if documents:
         seq = jnp.cumsum(jax.random.uniform(keys[4], (b, l)) < 0.01, axis=1).astype(jnp.int32)
         state_seq = jnp.zeros((b, k - 1), jnp.int32)
-    cotangent = jax.random.normal(keys[4], x.shape).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(keys[4], (b, l, c)).astype(jnp.bfloat16)
 
     def vjp(f):
         out, pull = jax.vjp(lambda *a: f(*a, seq, state_seq), x, kernel, bias, state)
         return out, pull(cotangent)
 
-    ours = jax.jit(lambda: vjp(lambda *a: causal_conv1d_pallas(*a, silu=silu, interpret=False)))()
-    want = jax.jit(lambda: vjp(lambda *a: conv_by_definition(*a, silu=silu)))()
+    def kernels(x, *a):
+        y = causal_conv1d_pallas(x, *a, silu=silu, start=start, parts=parts, interpret=False)
+        return y if parts is None else jnp.concatenate(y, axis=-1)
+
+    def definition(x, *a):
+        return conv_by_definition(x[..., start : start + c], *a, silu=silu)
+
+    ours = jax.jit(lambda: vjp(kernels))()
+    want = jax.jit(lambda: vjp(definition))()
     for a, e in zip(jax.tree.leaves(ours), jax.tree.leaves(want), strict=True):
         scale = float(jnp.max(jnp.abs(e.astype(jnp.float32))))
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - e.astype(jnp.float32))))
