@@ -53,10 +53,10 @@ class GatedRMSNorm(nnx.Module):
             gated_rms_norm, group_size=self.group_size, eps=self.eps, impl=impl
         )
         weight = self.weight[...]
-        mesh = current_mesh()
-        tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         if impl == "reference" or y.ndim != 3:
             return norm(y, z, weight)
+        mesh = current_mesh()
+        tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         if (weight.shape[0] // self.group_size) % tensor:
             return norm(y, z, weight, impl="reference")
         rows = ("batch", "seq", "inner")
