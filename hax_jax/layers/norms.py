@@ -64,10 +64,10 @@ class GatedRMSNorm(nnx.Module):
 
         weight = self.weight[...]
         o, gain = (None, None) if added is None else added
-        mesh = current_mesh()
-        tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         if impl == "reference" or y.ndim != 3:
             return norm(y, z, weight, o, gain)
+        mesh = current_mesh()
+        tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         if (weight.shape[0] // self.group_size) % tensor:
             return norm(y, z, weight, o, gain, impl="reference")
         rows = ("batch", "seq", "inner")
