@@ -151,16 +151,23 @@ class HaxBranch(nnx.Module):
         return self.scorer(k_bln, q_sum)
 
     def __call__(
-        self, x: jax.Array, *, mask: jax.Array | None = None, rng: jax.Array | None = None
+        self,
+        x: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        rng: jax.Array | None = None,
+        gated: bool = True,
     ):
-        """Parallel mode: x (b, l, e) -> o * E (b, l, e); with `rng`, sows the ranking loss."""
+        """Parallel mode: x (b, l, e) -> o * E (b, l, e), or o where not `gated` (the caller
+        applies E: Mamba-2's gated norm takes it in its kernels); with `rng`, sows the ranking
+        loss."""
         q, k = self._qk(x)
         hash_rng, rank_rng = (None, None) if rng is None else jax.random.split(rng)
         scores = self._key_scores(q, k)
         o = self._attend(q, k, x, self._hash_proj(hash_rng), scores)
         if rng is not None and scores is not None:
             self.sow(nnx.Intermediate, "rank_loss", self._rank_loss(scores, q, k, mask, rank_rng))
-        return o * self.E[...].astype(o.dtype)
+        return o * self.E[...].astype(o.dtype) if gated else o
 
     def _attend(self, q, k, x, hash_proj, scores) -> jax.Array:
         """The sub-quadratic op: q, k (b, l, N), V = x (b, l, e), scores (b, l) -> o (b, l, e),

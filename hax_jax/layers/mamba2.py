@@ -201,11 +201,15 @@ class Mamba2Mixer(nnx.Module):
         )
         y = y.reshape(b, l, self.d_inner)
         sparse_cache = None
-        if self.branch is not None:
-            # HAX with Mamba-2: y = ssd(x) + o * E, then the gated norm.
+        added = None
+        if self.branch is not None and cache is None:
+            # HAX with Mamba-2: the gated norm of y = ssd(x) + o * E, the product and the sum
+            # taken inside the norm's kernels (E's gradient summed there too).
+            added = (self.branch(x, mask=mask, rng=rng, gated=False), self.branch.E[...])
+        elif self.branch is not None:
             o, sparse_cache = self.branch.forward(x, cache, mask=mask, rng=rng)
             y = y.astype(jnp.float32) + o.astype(jnp.float32)
-        y = self.norm(y, z)
+        y = self.norm(y, z, added=added)
         return self.out_proj(y.astype(self.dtype)), Mamba2Cache(conv_state, ssm_state, sparse_cache)
 
     def step(self, u: jax.Array, cache: Mamba2Cache) -> tuple[jax.Array, Mamba2Cache]:

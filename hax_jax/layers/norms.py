@@ -1,7 +1,5 @@
 """RMSNorm and the gated, grouped RMSNorm of Mamba-2."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,29 +39,42 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
         self.impl = impl
 
-    def __call__(self, y: jax.Array, z: jax.Array | None = None, *, impl=None) -> jax.Array:
+    def __call__(
+        self, y: jax.Array, z: jax.Array | None = None, *, impl=None, added=None
+    ) -> jax.Array:
         """y, z (..., dim) -> (..., dim); each group of `group_size` channels is normalised
-        alone (pallas_kernels.gated_norm; `impl` overrides the layer's). Under a mesh, the
-        kernels run per device on its rows and its groups; a group split over "tensor" is left
-        to XLA (its mean square is then an all-reduce)."""
+        alone (pallas_kernels.gated_norm; `impl` overrides the layer's). added: (o (..., dim),
+        gain (dim,)), the norm then of y + o * gain. Under a mesh, the kernels run per device on
+        its rows and its groups; a group split over "tensor" is left to XLA (its mean square is
+        then an all-reduce)."""
         impl = self.impl if impl is None else impl
         if impl == "auto":
             impl = "pallas" if kernels_by_default() else "reference"
-        norm = functools.partial(
-            gated_rms_norm, group_size=self.group_size, eps=self.eps, impl=impl
-        )
+
+        def norm(y, z, weight, o=None, gain=None, impl=impl):
+            return gated_rms_norm(
+                y,
+                z,
+                weight,
+                group_size=self.group_size,
+                eps=self.eps,
+                added=None if o is None else (o, gain),
+                impl=impl,
+            )
+
         weight = self.weight[...]
+        o, gain = (None, None) if added is None else added
         if impl == "reference" or y.ndim != 3:
-            return norm(y, z, weight)
+            return norm(y, z, weight, o, gain)
         mesh = current_mesh()
         tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
         if (weight.shape[0] // self.group_size) % tensor:
-            return norm(y, z, weight, impl="reference")
+            return norm(y, z, weight, o, gain, impl="reference")
         rows = ("batch", "seq", "inner")
         return per_device(
             norm,
-            dict(y=y, z=z, weight=weight),
-            dict(y=rows, z=rows, weight=("inner",)),
+            dict(y=y, z=z, weight=weight, o=o, gain=gain),
+            dict(y=rows, z=rows, weight=("inner",), o=rows, gain=("inner",)),
             [rows],
             seq_aware=True,  # each token alone
         )

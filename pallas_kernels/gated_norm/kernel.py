@@ -48,14 +48,25 @@ def _program(w_ref, n_rows, rows, group):
     return valid, w, jnp.minimum(rows, n_rows - pl.program_id(0) * rows)
 
 
-def _fwd_kernel(*refs, n_rows, rows, group, eps, has_z):
+def _load_pre(j, y_ref, added, valid):
+    """Row j's y (fp32), plus o * gain with `added` = (o_ref, gain): the norm's input."""
+    pre = plgpu.load(y_ref.at[j], mask=valid, other=0.0).astype(F32)
+    if added is None:
+        return pre
+    o_ref, gain = added
+    return pre + plgpu.load(o_ref.at[j], mask=valid, other=0.0).astype(F32) * gain
+
+
+def _fwd_kernel(*refs, n_rows, rows, group, eps, has_z, has_added):
     y_ref, *refs = refs
     z_ref = refs.pop(0) if has_z else None
+    o_ref, gain_ref = (refs.pop(0), refs.pop(0)) if has_added else (None, None)
     w_ref, out_ref, rstd_ref = refs
     valid, w, count = _program(w_ref, n_rows, rows, group)
+    added = (o_ref, plgpu.load(gain_ref, mask=valid, other=0.0)) if has_added else None
 
     def row(j, carry):
-        u = plgpu.load(y_ref.at[j], mask=valid, other=0.0).astype(F32)
+        u = _load_pre(j, y_ref, added, valid)
         if has_z:
             u = u * _gate(plgpu.load(z_ref.at[j], mask=valid, other=0.0).astype(F32))[0]
         rstd = jax.lax.rsqrt(jnp.sum(u * u) / group + eps)
@@ -66,36 +77,48 @@ def _fwd_kernel(*refs, n_rows, rows, group, eps, has_z):
     jax.lax.fori_loop(0, count, row, 0)
 
 
-def _bwd_kernel(*refs, n_rows, rows, group, has_z):
+def _bwd_kernel(*refs, n_rows, rows, group, has_z, has_added):
     y_ref, *refs = refs
     z_ref = refs.pop(0) if has_z else None
+    o_ref, gain_ref = (refs.pop(0), refs.pop(0)) if has_added else (None, None)
     w_ref, rstd_ref, dout_ref, dy_ref, *refs = refs
     dz_ref = refs.pop(0) if has_z else None
+    do_ref, dgain_ref = (refs.pop(0), refs.pop(0)) if has_added else (None, None)
     (dw_ref,) = refs
     valid, w, count = _program(w_ref, n_rows, rows, group)
+    gain = plgpu.load(gain_ref, mask=valid, other=0.0) if has_added else None
+    added = (o_ref, gain) if has_added else None
 
-    def row(j, dw):
-        y = plgpu.load(y_ref.at[j], mask=valid, other=0.0).astype(F32)
+    def row(j, sums):
+        dw, dgain = sums
+        pre = _load_pre(j, y_ref, added, valid)
         dout = plgpu.load(dout_ref.at[j], mask=valid, other=0.0).astype(F32)
         rstd = rstd_ref[j]
-        u = y
+        u = pre
         if has_z:
             z = plgpu.load(z_ref.at[j], mask=valid, other=0.0).astype(F32)
             silu, sig = _gate(z)
-            u = y * silu
+            u = pre * silu
         n = u * rstd
         dn = dout * w
         du = rstd * (dn - n * (jnp.sum(dn * n) / group))
+        dpre = du
         if has_z:
-            plgpu.store(dy_ref.at[j], (du * silu).astype(dy_ref.dtype), mask=valid)
-            dz = du * y * sig * (1.0 + z * (1.0 - sig))
+            dpre = du * silu
+            dz = du * pre * sig * (1.0 + z * (1.0 - sig))
             plgpu.store(dz_ref.at[j], dz.astype(dz_ref.dtype), mask=valid)
-        else:
-            plgpu.store(dy_ref.at[j], du.astype(dy_ref.dtype), mask=valid)
-        return dw + dout * n
+        plgpu.store(dy_ref.at[j], dpre.astype(dy_ref.dtype), mask=valid)
+        if has_added:
+            o = plgpu.load(o_ref.at[j], mask=valid, other=0.0).astype(F32)
+            plgpu.store(do_ref.at[j], (dpre * gain).astype(do_ref.dtype), mask=valid)
+            dgain = dgain + dpre * o
+        return dw + dout * n, dgain
 
-    dw = jax.lax.fori_loop(0, count, row, jnp.zeros(w.shape, F32))
+    zeros = jnp.zeros(w.shape, F32)
+    dw, dgain = jax.lax.fori_loop(0, count, row, (zeros, zeros))
     plgpu.store(dw_ref, dw, mask=valid)
+    if has_added:
+        plgpu.store(dgain_ref, dgain, mask=valid)
 
 
 def _specs(rows, width, has_z):
@@ -108,20 +131,35 @@ def _specs(rows, width, has_z):
     return rows_spec, weight, rstd, inputs
 
 
-def forward(y, z, weight, *, eps, interpret=None):
+def _added_args(added, rows_spec, weight_spec):
+    """(specs, arrays) of `added` = (o as y, gain (groups, group_size)), or none."""
+    if added is None:
+        return [], []
+    return [rows_spec, weight_spec], [added[0], added[1].astype(F32)]
+
+
+def forward(y, z, weight, *, eps, added=None, interpret=None):
     """y, z (rows, groups, group_size), weight (groups, group_size) -> (out as y, rstd (rows,
-    groups) fp32)."""
+    groups) fp32). added: (o as y, gain (groups, group_size)); the norm's input is then
+    y + o * gain."""
     n_rows, groups, group = y.shape
     rows, blocks, width = tiling(n_rows, group)
-    has_z = z is not None
+    has_z, has_added = z is not None, added is not None
     rows_spec, weight_spec, rstd_spec, inputs = _specs(rows, width, has_z)
+    added_specs, added_arrays = _added_args(added, rows_spec, weight_spec)
     kernel = functools.partial(
-        _fwd_kernel, n_rows=n_rows, rows=rows, group=group, eps=eps, has_z=has_z
+        _fwd_kernel,
+        n_rows=n_rows,
+        rows=rows,
+        group=group,
+        eps=eps,
+        has_z=has_z,
+        has_added=has_added,
     )
     return pl.pallas_call(
         kernel,
         grid=(blocks, groups),
-        in_specs=[*inputs, weight_spec],
+        in_specs=[*inputs, *added_specs, weight_spec],
         out_specs=[rows_spec, rstd_spec],
         out_shape=[
             jax.ShapeDtypeStruct(y.shape, y.dtype),
@@ -130,33 +168,43 @@ def forward(y, z, weight, *, eps, interpret=None):
         interpret=interpret_for("gpu", interpret),
         compiler_params=compiler_params("gpu", num_warps=_warps(width), num_stages=1),
         name="gated_norm_fwd",
-    )(*(a for a in (y, z) if a is not None), weight.astype(F32))
+    )(*(a for a in (y, z) if a is not None), *added_arrays, weight.astype(F32))
 
 
-def backward(y, z, weight, rstd, dout, *, interpret=None):
-    """-> (dy as y, dz as z or None, dweight partials (row blocks, groups, group_size) fp32)."""
+def backward(y, z, weight, rstd, dout, *, added=None, interpret=None):
+    """-> (dy as y, dz as z or None, dweight partials (row blocks, groups, group_size) fp32, and
+    with `added` (as `forward`'s) (do as o, dgain partials as dweight's), else None)."""
     n_rows, groups, group = y.shape
     rows, blocks, width = tiling(n_rows, group)
-    has_z = z is not None
+    has_z, has_added = z is not None, added is not None
     rows_spec, weight_spec, rstd_spec, inputs = _specs(rows, width, has_z)
-    kernel = functools.partial(_bwd_kernel, n_rows=n_rows, rows=rows, group=group, has_z=has_z)
+    added_specs, added_arrays = _added_args(added, rows_spec, weight_spec)
+    kernel = functools.partial(
+        _bwd_kernel, n_rows=n_rows, rows=rows, group=group, has_z=has_z, has_added=has_added
+    )
+    partials_shape = jax.ShapeDtypeStruct((blocks, groups, group), F32)
+    partials_spec = pl.BlockSpec((None, None, width), lambda i, g: (i, g, 0))
     out_shape = [jax.ShapeDtypeStruct(y.shape, y.dtype)]
     out_specs = [rows_spec]
     if has_z:
         out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
         out_specs.append(rows_spec)
-    out_shape.append(jax.ShapeDtypeStruct((blocks, groups, group), F32))
-    out_specs.append(pl.BlockSpec((None, None, width), lambda i, g: (i, g, 0)))
+    if has_added:
+        out_shape += [jax.ShapeDtypeStruct(added[0].shape, added[0].dtype), partials_shape]
+        out_specs += [rows_spec, partials_spec]
+    out_shape.append(partials_shape)
+    out_specs.append(partials_spec)
     outs = pl.pallas_call(
         kernel,
         grid=(blocks, groups),
-        in_specs=[*inputs, weight_spec, rstd_spec, rows_spec],
+        in_specs=[*inputs, *added_specs, weight_spec, rstd_spec, rows_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret_for("gpu", interpret),
         compiler_params=compiler_params("gpu", num_warps=_warps(width), num_stages=1),
         name="gated_norm_bwd",
-    )(*(a for a in (y, z) if a is not None), weight.astype(F32), rstd, dout)
+    )(*(a for a in (y, z) if a is not None), *added_arrays, weight.astype(F32), rstd, dout)
     dy, *rest = outs
     dz = rest.pop(0) if has_z else None
-    return dy, dz, rest[0]
+    d_added = (rest.pop(0), rest.pop(0)) if has_added else None
+    return dy, dz, rest[0], d_added

@@ -12,11 +12,14 @@ from .reference import gated_rms_norm_reference
 IMPLS = ("auto", "reference", "pallas")
 
 
-def gated_rms_norm(y, z, weight, *, group_size: int, eps: float, impl="auto", interpret=None):
+def gated_rms_norm(
+    y, z, weight, *, group_size: int, eps: float, added=None, impl="auto", interpret=None
+):
     """Mamba-2's gated, grouped RMSNorm: y, z (..., e) (z None: no gate), weight (e,) -> (..., e)
-    in y's dtype (reference.py defines it). impl "auto" takes the Triton kernels on a GPU outside
-    automatically partitioned meshes, else the reference; "pallas" forces them (interpreted on a
-    CPU)."""
+    in y's dtype (reference.py defines it); added: (o (..., e), gain (e,)), the norm then of
+    y + o * gain (o's product and sum taken in the kernels, gain's gradient summed there). impl
+    "auto" takes the Triton kernels on a GPU outside automatically partitioned meshes, else the
+    reference; "pallas" forces them (interpreted on a CPU)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     e = y.shape[-1]
@@ -24,34 +27,44 @@ def gated_rms_norm(y, z, weight, *, group_size: int, eps: float, impl="auto", in
         raise ValueError(f"weight must have shape ({e},) for y {y.shape}, got {weight.shape}")
     if z is not None and z.shape != y.shape:
         raise ValueError(f"z must have y's shape {y.shape}, got {z.shape}")
+    if added is not None and (added[0].shape != y.shape or added[1].shape != (e,)):
+        raise ValueError(
+            f"added must be (o {y.shape}, gain ({e},)), got {added[0].shape}, {added[1].shape}"
+        )
     if group_size <= 0 or e % group_size:
         raise ValueError(f"group_size must divide the last axis, {e}; got {group_size}")
     if impl == "auto":
         impl = "pallas" if backend.auto_picks_pallas() else "reference"
     if impl == "reference":
-        return gated_rms_norm_reference(y, z, weight, group_size=group_size, eps=eps)
+        return gated_rms_norm_reference(y, z, weight, group_size=group_size, eps=eps, added=added)
     if jax.default_backend() == "tpu":
         raise ValueError("impl='pallas' has Triton (GPU) kernels only; on a TPU use 'reference'")
     shape = (-1, e // group_size, group_size)
     z3 = None if z is None else z.reshape(shape)
-    out = _norm(y.reshape(shape), z3, weight.reshape(shape[1:]), eps, interpret)
+    if added is not None:
+        added = (added[0].reshape(shape), added[1].reshape(shape[1:]))
+    out = _norm(y.reshape(shape), z3, weight.reshape(shape[1:]), added, eps, interpret)
     return out.reshape(y.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _norm(y, z, weight, eps, interpret):
-    return kernel.forward(y, z, weight, eps=eps, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _norm(y, z, weight, added, eps, interpret):
+    return kernel.forward(y, z, weight, eps=eps, added=added, interpret=interpret)[0]
 
 
-def _norm_fwd(y, z, weight, eps, interpret):
-    out, rstd = kernel.forward(y, z, weight, eps=eps, interpret=interpret)
-    return out, (y, z, weight, rstd)
+def _norm_fwd(y, z, weight, added, eps, interpret):
+    out, rstd = kernel.forward(y, z, weight, eps=eps, added=added, interpret=interpret)
+    return out, (y, z, weight, added, rstd)
 
 
 def _norm_bwd(eps, interpret, residuals, dout):
-    y, z, weight, rstd = residuals
-    dy, dz, dw_parts = kernel.backward(y, z, weight, rstd, dout, interpret=interpret)
-    return dy, dz, jnp.sum(dw_parts, axis=0).astype(weight.dtype)
+    y, z, weight, added, rstd = residuals
+    dy, dz, dw_parts, d_added = kernel.backward(
+        y, z, weight, rstd, dout, added=added, interpret=interpret
+    )
+    if added is not None:
+        d_added = (d_added[0], jnp.sum(d_added[1], axis=0).astype(added[1].dtype))
+    return dy, dz, jnp.sum(dw_parts, axis=0).astype(weight.dtype), d_added
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

@@ -75,15 +75,81 @@ def test_interpreted_kernels_equal_the_definition(monkeypatch, dtype, gate, shap
     _assert_matches(shape, group_size, dtype, gate)
 
 
-@pytest.mark.parametrize("gate", [True, False])
-def test_lowers_for_cuda(gate):
-    y, z, weight, _ = _inputs((2, 64, 1536), jnp.bfloat16, gate)
+def _assert_added_matches(impl, dtype, gate, shape, group_size, interpret=True):
+    """added = (o, gain): the norm of y + o * gain (HAX's branch), output and the gradients of
+    y, z, weight, o and gain, against the norm of that sum formed outside."""
+    y, z, weight, cotangent = _inputs(shape, dtype, gate)
+    keys = jax.random.split(jax.random.key(7), 2)
+    o = jax.random.normal(keys[0], shape).astype(dtype)
+    gain = jax.random.normal(keys[1], shape[-1:])
 
-    def loss(y, z, w):
-        out = gated_rms_norm(y, z, w, group_size=1536, eps=EPS, impl="pallas", interpret=False)
+    def ours(y, z, weight, o, gain):
+        return gated_rms_norm(
+            y,
+            z,
+            weight,
+            group_size=group_size,
+            eps=EPS,
+            added=(o, gain),
+            impl=impl,
+            interpret=interpret,
+        )
+
+    def definition(y, z, weight, o, gain):
+        u = y.astype(jnp.float32) + o.astype(jnp.float32) * gain
+        return gated_rms_norm_reference(u, z, weight, group_size=group_size, eps=EPS).astype(
+            y.dtype
+        )
+
+    def vjp(f):
+        out, pull = jax.vjp(f, y, z, weight, o, gain)
+        return out, pull(cotangent)
+
+    got, want = (
+        jax.tree.leaves(jax.jit(vjp, static_argnums=0)(ours)),
+        jax.tree.leaves(vjp(definition)),
+    )
+    names = ["out", "dy", "dz", "dweight", "do", "dgain"]
+    if not gate:
+        names.remove("dz")
+    assert len(got) == len(want) == len(names)
+    for name, a, e in zip(names, got, want, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape, name
+        np.testing.assert_allclose(
+            a.astype(np.float32), e.astype(np.float32), err_msg=name, **TOL[dtype]
+        )
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("gate", [True, False])
+def test_added_branch_is_the_norm_of_the_sum(monkeypatch, impl, dtype, gate):
+    monkeypatch.setattr(gated_kernel, "PROGRAMS", 5)  # several rows a program, as above
+    _assert_added_matches(impl, dtype, gate, (2, 37, 48), 12)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("added", [False, True])
+def test_lowers_for_cuda(gate, added):
+    y, z, weight, _ = _inputs((2, 64, 1536), jnp.bfloat16, gate)
+    o, gain = (y, weight) if added else (None, None)
+
+    def loss(y, z, w, o, gain):
+        out = gated_rms_norm(
+            y,
+            z,
+            w,
+            group_size=1536,
+            eps=EPS,
+            added=None if o is None else (o, gain),
+            impl="pallas",
+            interpret=False,
+        )
         return jnp.sum(out.astype(jnp.float32))
 
-    text = lower_for("cuda", jax.grad(loss, argnums=(0, 1, 2) if gate else (0, 2)), y, z, weight)
+    argnums = (0, 1, 2) if gate else (0, 2)
+    argnums += (3, 4) if added else ()
+    text = lower_for("cuda", jax.grad(loss, argnums=argnums), y, z, weight, o, gain)
     assert "triton" in text and "gated_norm_fwd" in text and "gated_norm_bwd" in text
 
 
@@ -112,6 +178,11 @@ def test_bad_inputs_are_named():
 @pytest.mark.parametrize("shape, group_size", [((2, 1000, 1536), 1536), ((3, 700, 4096), 1024)])
 def test_compiled_on_gpu(dtype, shape, group_size):
     _assert_matches(shape, group_size, dtype, gate=True, interpret=False)
+
+
+@pytest.mark.gpu
+def test_added_compiled_on_gpu():
+    _assert_added_matches("pallas", jnp.bfloat16, True, (2, 1000, 1536), 1536, interpret=False)
 
 
 @pytest.mark.parametrize(
