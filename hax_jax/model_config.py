@@ -123,6 +123,9 @@ class MambaConfig:
     # "auto" recomputes when blocks are not rematerialised and every Mamba layer's states would
     # pass SCAN_STATES_SHARE of a device's memory (never where the memory is not known: CPU).
     scan_states: Literal["auto", "saved", "recomputed"] = "auto"
+    # The causal conv and its SiLU: auto = their Triton kernels on a GPU where rows are whole
+    # 32-row chunks (pallas_kernels/conv1d), per device under a mesh, else XLA ("reference").
+    conv_impl: Literal["auto", "reference", "pallas"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,6 +152,7 @@ class Mamba2Config:
     # The gated norm after the SSD: auto = its Triton kernels on a GPU, per device under a mesh
     # unless "tensor" splits a group (pallas_kernels/gated_norm), else XLA ("reference").
     norm_impl: Literal["auto", "reference", "pallas"] = "auto"
+    conv_impl: Literal["auto", "reference", "pallas"] = "auto"  # as MambaConfig's
 
     def __post_init__(self):
         if self.chunk_size < 1:

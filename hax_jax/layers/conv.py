@@ -1,5 +1,6 @@
 """Depthwise causal conv1d over (b, l, c), with its window as explicit state."""
 
+import functools
 import itertools
 
 import jax
@@ -26,7 +27,15 @@ class CausalConv1d(nnx.Module):
     may be processed in pieces, or one token at a time, with the same result.
     """
 
-    def __init__(self, channels: int, width: int, *, use_bias: bool = True, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        channels: int,
+        width: int,
+        *,
+        use_bias: bool = True,
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+    ):
         init = torch_linear_init(width)  # torch Conv1d with groups=channels: fan_in = width
         # Depthwise: channels split over "tensor" need no communication; taps are never split.
         self.kernel = nnx.Param(
@@ -37,7 +46,7 @@ class CausalConv1d(nnx.Module):
             if use_bias
             else None
         )
-        self.width = width
+        self.width, self.impl = width, impl  # impl: as `causal_conv1d`'s
 
     def init_state(self, batch: int, dtype) -> jax.Array:
         """The zero window (b, width - 1, c)."""
@@ -54,7 +63,7 @@ class CausalConv1d(nnx.Module):
         """
         bias = None if self.bias is None else self.bias[...]
         return per_device(
-            conv_shard,
+            functools.partial(conv_shard, impl=self.impl),
             dict(x=x, kernel=self.kernel[...], bias=bias, state=state, seq_idx=seq_idx),
             dict(
                 x=("batch", "seq", "inner"),
@@ -81,11 +90,23 @@ class CausalConv1d(nnx.Module):
         return y.astype(x.dtype), window[:, 1:].astype(x.dtype)
 
 
-def conv_shard(x, kernel, bias, state, seq_idx, previous=None, *, silu=False, start=0, parts=None):
+def conv_shard(
+    x,
+    kernel,
+    bias,
+    state,
+    seq_idx,
+    previous=None,
+    *,
+    silu=False,
+    start=0,
+    parts=None,
+    impl="auto",
+):
     """`causal_conv1d` of this shard of the sequence: its window comes from the previous shard
     (or `state` on the first; None: zeros); the new state is the last shard's. `previous`: the
     previous shard's last width - 1 inputs where the caller has them already (None: they are
-    passed here from x). silu, start, parts: as `causal_conv1d`'s."""
+    passed here from x). silu, start, parts, impl: as `causal_conv1d`'s."""
     k, c = kernel.shape
     if state is None:
         # Made here, not passed into shard_map: a zero window XLA can see folds into a pad of x;
@@ -106,13 +127,32 @@ def conv_shard(x, kernel, bias, state, seq_idx, previous=None, *, silu=False, st
         first = jnp.repeat(seq_idx[:, :1], k - 1, axis=1)  # the state's document: the first one
         state_seq_idx = from_previous_shard(seq_idx[:, seq_idx.shape[1] - (k - 1) :], first)
     y, new_state = causal_conv1d(
-        x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu, start=start, parts=parts
+        x,
+        kernel,
+        bias,
+        state,
+        seq_idx,
+        state_seq_idx,
+        silu=silu,
+        start=start,
+        parts=parts,
+        impl=impl,
     )
     return y, from_last_shard(new_state)
 
 
 def causal_conv1d(
-    x, kernel, bias, state, seq_idx=None, state_seq_idx=None, *, silu=False, start=0, parts=None
+    x,
+    kernel,
+    bias,
+    state,
+    seq_idx=None,
+    state_seq_idx=None,
+    *,
+    silu=False,
+    start=0,
+    parts=None,
+    impl="auto",
 ):
     """y_t = bias + sum_j kernel[j] x_{t - (k-1) + j} over [state | x] (b, k - 1 + l, c), with
     taps across a change of seq_idx (state_seq_idx: the window's documents) zeroed; with `silu`,
@@ -122,13 +162,20 @@ def causal_conv1d(
     x may be wider than the conv's c = kernel.shape[1] channels, which are x's start .. start + c
     (a projection's whole output: the kernels read it in place, where a slice would be copied for
     them). parts: widths summing to c; y is then a tuple of them (the kernels write each apart).
+    impl: "pallas" (pallas_kernels/conv1d: l a multiple of its ROWS-row chunks, k <= ROWS),
+    "reference" (this function's arithmetic below, their definition) or "auto" (the kernels
+    where they run compiled and take l and k, else the reference).
 
     Computed as x's conv after k - 1 zeros (a pad XLA reads in place) plus the window's taps on
     the first k - 1 outputs: [state | x] itself is never built, which for a halo from the
     previous shard cost a copy of x per layer (6.7 ms of a 97 ms step at 1 x 32768, seq = 2)."""
     b, l, _ = x.shape
     k, c = kernel.shape
-    if auto_picks_pallas() and conv_kernels_take(l, k):
+    if impl not in ("auto", "pallas", "reference"):
+        raise ValueError(f"conv impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
+    if impl == "auto":
+        impl = "pallas" if auto_picks_pallas() and conv_kernels_take(l, k) else "reference"
+    if impl == "pallas":
         # The Triton kernels: one pass each way (pallas_kernels/conv1d); this function's own
         # arithmetic below is their definition.
         y = causal_conv1d_pallas(

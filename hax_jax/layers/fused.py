@@ -182,8 +182,17 @@ class FusedConv1d(nnx.Module):
     mamba_ssm's conv_state does; under a split "seq" the parts share one halo exchange.
     """
 
-    def __init__(self, parts: Sequence[Part], width: int, *, use_bias: bool, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        parts: Sequence[Part],
+        width: int,
+        *,
+        use_bias: bool,
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+    ):
         self.parts, self.width = tuple(parts), width
+        self.impl = impl  # as layers/conv.py `causal_conv1d`'s
         total = sum(p.size for p in parts)
         init = torch_linear_init(width)  # torch Conv1d with groups=channels: fan_in = width
         self.kernel = _cut(init(rngs.params(), (width, total)), parts, (None,))
@@ -203,7 +212,9 @@ class FusedConv1d(nnx.Module):
         """xs {part: (b, l, *shape)}, state (b, width - 1, total) -> (ys as xs, new state)."""
         states = None if state is None else unfuse(state, self.parts)
         kernels, biases = self.arrays()
-        ys, states = conv_parts_sharded(xs, kernels, biases, states, seq_idx, self.parts)
+        ys, states = conv_parts_sharded(
+            xs, kernels, biases, states, seq_idx, self.parts, impl=self.impl
+        )
         return ys, fuse(states, self.parts, lead=2)
 
     def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
@@ -227,12 +238,12 @@ class FusedConv1d(nnx.Module):
         return unfuse(y.astype(x.dtype), self.parts), window[:, 1:].astype(x.dtype)
 
 
-def conv_parts_sharded(xs, kernels, biases, states, seq_idx, parts: Sequence[Part]):
+def conv_parts_sharded(xs, kernels, biases, states, seq_idx, parts: Sequence[Part], *, impl="auto"):
     """`conv_parts` per device (each on its batch rows and its parts' channels; a split "seq"
     passes one halo for all parts)."""
     names = [p.name for p in parts]
     outs = per_device(
-        lambda **kw: _flat_outputs(conv_parts(**kw, order=names), names),
+        lambda **kw: _flat_outputs(conv_parts(**kw, order=names, impl=impl), names),
         dict(xs=xs, kernels=kernels, biases=biases, states=states, seq_idx=seq_idx),
         dict(
             xs={p.name: ("batch", "seq", *p.axes) for p in parts},
@@ -254,13 +265,13 @@ def _flat_outputs(out: tuple[dict, dict], names) -> tuple:
     return (*(out[0][n] for n in names), *(out[1][n] for n in names))
 
 
-def conv_parts(xs, kernels, biases, states, seq_idx, order: Sequence[str]):
+def conv_parts(xs, kernels, biases, states, seq_idx, order: Sequence[str], *, impl="auto"):
     """The causal conv (layers/conv.py `conv_shard`) of each part of this shard, the parts' channels
     side by side in `order` so a split "seq" passes one halo for all: xs {part: (b, l, *shape)},
     kernels {part: (width, *shape)}, biases {part: shape} or None, states {part: (b, width - 1,
-    *shape)} -> (ys as xs, new states as states)."""
+    *shape)} -> (ys as xs, new states as states); impl as `causal_conv1d`'s."""
     x, _ = side_by_side(xs, order, lead=2)
-    return conv_joined(x, kernels, biases, states, seq_idx, order)
+    return conv_joined(x, kernels, biases, states, seq_idx, order, impl=impl)
 
 
 def conv_joined(
@@ -274,11 +285,12 @@ def conv_joined(
     *,
     silu=False,
     start=0,
+    impl="auto",
 ):
     """`conv_parts` on the parts already side by side in x (b, l, >= start + total) from channel
     `start`, e.g. a fused projection's whole output (read in place): -> (ys {part: (b, l,
-    *shape)}, new states per part). `previous`: as `conv_shard`'s, joined the same way; `silu` as
-    its."""
+    *shape)}, new states per part). `previous`: as `conv_shard`'s, joined the same way; `silu`
+    and `impl` as its."""
     kernel, shapes = side_by_side(kernels, order, lead=1)
     bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
     # Joined once and read: left to XLA, the join was fused into the conv's elementwise loops and
@@ -288,7 +300,16 @@ def conv_joined(
     state = None if states is None else side_by_side(states, order, lead=2)[0]
     widths = [math.prod(shape) for shape in shapes]
     ys, new_state = conv_shard(
-        x, kernel, bias, state, seq_idx, previous, silu=silu, start=start, parts=widths
+        x,
+        kernel,
+        bias,
+        state,
+        seq_idx,
+        previous,
+        silu=silu,
+        start=start,
+        parts=widths,
+        impl=impl,
     )
     ys = {
         name: y.reshape(*y.shape[:2], *shape)

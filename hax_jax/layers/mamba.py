@@ -56,7 +56,7 @@ class MambaMixer(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
+        self.conv1d = CausalConv1d(e, m.d_conv, use_bias=m.conv_bias, impl=m.conv_impl, rngs=rngs)
         self.x_proj = linear(e, r + 2 * n, ("inner", "state"))
         self.dt_proj = linear(
             r,
@@ -122,7 +122,7 @@ class MambaMixer(nnx.Module):
         in_kernels, in_biases = self.in_proj.arrays()
         conv = self.conv1d
         x, z, conv_state = per_device(
-            functools.partial(_front_shard, dtype=self.dtype),
+            functools.partial(_front_shard, dtype=self.dtype, conv_impl=conv.impl),
             dict(
                 u=u,
                 in_kernels=in_kernels,
@@ -200,13 +200,15 @@ class MambaMixer(nnx.Module):
         return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h, sparse_cache)
 
 
-def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype):
+def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype, conv_impl):
     """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
     shard_map): -> (x post-conv (b, l, e), z (b, l, e), the conv's new state)."""
     xz, shapes = fused_linear(u, in_kernels, in_biases, dtype, ("x", "z"))
     xz = checkpoint_name(xz, SCAN_IO)
     # The conv reads x in place in in_proj's output (its first channels).
-    x, new_state = conv_shard(xz, conv_kernel, conv_bias, conv_state, None, silu=True)
+    x, new_state = conv_shard(
+        xz, conv_kernel, conv_bias, conv_state, None, silu=True, impl=conv_impl
+    )
     return x, xz[..., shapes[0][0] :], new_state
 
 

@@ -81,7 +81,7 @@ class Mamba2Mixer(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.conv1d = FusedConv1d(xbc, m.d_conv, use_bias=m.conv_bias, rngs=rngs)
+        self.conv1d = FusedConv1d(xbc, m.d_conv, use_bias=m.conv_bias, impl=m.conv_impl, rngs=rngs)
         self.dt_bias = nnx.Param(
             dt_bias_init(m.dt_min, m.dt_max, m.dt_init_floor)(rngs.params(), (h,)),
             logical_axes=("heads",),
@@ -276,7 +276,16 @@ def _front_shard(
         previous = project(u_prev)[0][..., e : e + conv_dim]
     # The conv reads x, B, C in place in in_proj's output and writes them apart.
     xBC, new_conv = conv_joined(
-        zxbcdt, conv_kernels, conv_biases, conv_states, seq_idx, XBC, previous, silu=True, start=e
+        zxbcdt,
+        conv_kernels,
+        conv_biases,
+        conv_states,
+        seq_idx,
+        XBC,
+        previous,
+        silu=True,
+        start=e,
+        impl=mixer.conv1d.impl,
     )
     x, B, C = xBC.values()
     x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)

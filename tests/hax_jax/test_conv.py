@@ -258,3 +258,12 @@ def test_kernels_compiled_on_gpu(documents, silu, in_place):
         scale = float(jnp.max(jnp.abs(e.astype(jnp.float32))))
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - e.astype(jnp.float32))))
         assert err <= TOL[jnp.bfloat16]["atol"] * scale
+
+
+def test_impl_is_checked():
+    """An unknown impl, and the kernels asked for rows they do not take, each refuse by name."""
+    x, kernel, bias, state, _, _ = inputs(11, 4, jnp.float32, documents=False)
+    with pytest.raises(ValueError, match="'xla'"):
+        causal_conv1d(x, kernel, bias, state, impl="xla")
+    with pytest.raises(ValueError, match="l=11, k=4"):
+        causal_conv1d(x, kernel, bias, state, impl="pallas")
