@@ -30,8 +30,16 @@ def _config(kind: str, *, ngroups: int = 1, impl: str = "pallas", hax: bool = Tr
         n_layer=1,
         vocab_size=40,
         block_pattern=(kind,),
-        mamba=MambaConfig(d_state=8, scan_impl=impl),
-        mamba2=Mamba2Config(d_state=16, headdim=16, chunk_size=16, ngroups=ngroups, ssd_impl=impl),
+        mamba=MambaConfig(d_state=8, scan_impl=impl, conv_impl=impl),
+        mamba2=Mamba2Config(
+            d_state=16,
+            headdim=16,
+            chunk_size=16,
+            ngroups=ngroups,
+            ssd_impl=impl,
+            conv_impl=impl,
+            norm_impl=impl,
+        ),
         sparse=SparseConfig(pattern="lsh+ks" if hax else "", num_keys=8, hash_bits=3, impl=impl),
     )
 
@@ -75,8 +83,9 @@ def _assert_close(actual, desired, what):
 def test_sharded_kernels_match_one_device(kind, ngroups, batch, hax):
     """data = 2 x tensor = 2, values and every gradient as on one device: batch rows split (a
     batch of 1 stays whole on every device), Mamba-2's 4 heads split with B and C of one group
-    replicated or two groups split with their heads, Mamba's 64 channels split, and HAX's
-    sparse attention split by batch rows and its 64 value channels (its own shard_map)."""
+    replicated or two groups split with their heads, Mamba's 64 channels split (the conv
+    kernels reading each device's channels in place), and HAX's sparse attention split by batch
+    rows and its 64 value channels (its own shard_map)."""
     cfg = _config(kind, ngroups=ngroups, hax=hax)
     mixer = perturbed(MIXERS[kind](cfg, rngs=nnx.Rngs(0)), seed=7, scale=0.2)
     u = random_inputs(b=batch, l=32, d=32)
@@ -87,6 +96,7 @@ def test_sharded_kernels_match_one_device(kind, ngroups, batch, hax):
         jaxpr = _jaxpr(mixer, u)
     assert jaxpr.count("shard_map") >= 1 + hax, "the kernels did not run inside shard_map"
     assert "pallas_call" in jaxpr
+    assert "causal_conv1d_fwd" in jaxpr, "the conv kernels did not run"
     _assert_close(y, y_ref, "y")
     _assert_close(du, du_ref, "du")
     _assert_close(nnx.to_pure_dict(dp), nnx.to_pure_dict(dp_ref), "grad")
