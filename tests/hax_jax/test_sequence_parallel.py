@@ -138,6 +138,24 @@ def test_mamba2_packed_documents(mesh_sizes):
     _check_split_equals_one_device(_cfg(("mamba2", "mlp")), mesh_sizes, True)
 
 
+@pytest.mark.parametrize(
+    "pattern, with_seq_idx, mesh_sizes",
+    [(("mamba2", "mamba"), False, MESHES["dst222"]), (("mamba2",), True, MESHES["seq2"])],
+    ids=["mamba2+mamba-dst222", "mamba2-documents-seq2"],
+)
+def test_conv_kernels_per_shard(pattern, with_seq_idx, mesh_sizes):
+    """The conv kernels (`conv_impl="pallas"`, interpreted; shards of 32 positions, one of their
+    chunks) take the previous shard's halo as their window, with documents starting inside and
+    at the edge of a shard, split over "tensor" too."""
+    cfg = _cfg(pattern)
+    cfg = dataclasses.replace(
+        cfg,
+        mamba=dataclasses.replace(cfg.mamba, conv_impl="pallas"),
+        mamba2=dataclasses.replace(cfg.mamba2, conv_impl="pallas"),
+    )
+    _check_split_equals_one_device(cfg, mesh_sizes, with_seq_idx)
+
+
 ATTENTION = {
     "attention+swa+infini": (("attention", "swa", "infini"), "linear"),
     "infini_delta": (("infini",), "delta"),
