@@ -80,15 +80,18 @@ def test_remat_recomputes_no_selection_on_a_split_sequence():
 
 
 def test_block_keep_scan_on_a_split_sequence():
-    """seq = 2, every scan and the branch by the Pallas kernels, model.remat="block_keep_scan" (the
+    """seq = 2, every scan, conv, gated norm (HAX-Mamba-2's taking the branch's output and E in
+    its kernels) and the branch by the Pallas kernels, model.remat="block_keep_scan" (the
     backward keeps the mixers' GEMM outputs, the scans' y, the SSD's chunk states and a shard's
     decay): the one-device loss and gradients."""
     cfg = _with_impl(_cfg(("mamba", "mamba2"), "lsh+ks"), "pallas")
     cfg = dataclasses.replace(
         cfg,
         remat="block_keep_scan",
-        mamba=dataclasses.replace(cfg.mamba, scan_impl="pallas"),
-        mamba2=dataclasses.replace(cfg.mamba2, ssd_impl="pallas", chunk_size=16),
+        mamba=dataclasses.replace(cfg.mamba, scan_impl="pallas", conv_impl="pallas"),
+        mamba2=dataclasses.replace(
+            cfg.mamba2, ssd_impl="pallas", chunk_size=16, conv_impl="pallas", norm_impl="pallas"
+        ),
     )
     _check_split_equals_one_device(cfg, MESHES["seq2"], False)
 
