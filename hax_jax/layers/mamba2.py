@@ -154,8 +154,15 @@ class Mamba2Mixer(nnx.Module):
         in_kernels, in_biases = self.in_proj.arrays()
         conv_kernels, conv_biases = self.conv1d.arrays()
         xbc = {k: part_axes[k] for k in ("x", "B", "C")}
+        # Heads whole on every device: the gate goes out as in_proj's whole output, whose first
+        # channels the norm's kernels read in place (a slice would be copied for them, and kept
+        # for the backward beside that output, which the conv's backward keeps).
         front = functools.partial(
-            _front_shard, mixer=self, chunk_size=self.chunk_size, impl=self.ssd_impl
+            _front_shard,
+            mixer=self,
+            chunk_size=self.chunk_size,
+            impl=self.ssd_impl,
+            whole_gate=inner is None,
         )
         y, z, x, ssm_state, *conv_states = per_device(
             front,
@@ -248,10 +255,12 @@ def _front_shard(
     mixer: Mamba2Mixer,
     chunk_size: int,
     impl: str,
+    whole_gate: bool,
 ):
     """in_proj, conv + SiLU and the SSD of one device's rows, heads and groups (or of everything,
-    outside shard_map): -> (y (b, l, h, p), z (b, l, e), x (b, l, e) post-conv, final SSM state,
-    *the conv's new state per part)."""
+    outside shard_map): -> (y (b, l, h, p), z (b, l, e) (with `whole_gate` in_proj's whole output
+    (b, l, >= e), z its first e channels), x (b, l, e) post-conv, final SSM state, *the conv's new
+    state per part)."""
     # One GEMM and contiguous slices, as the fused layer: [z | x | B | C | dt] (local parts).
     project = functools.partial(
         fused_linear,
@@ -303,4 +312,5 @@ def _front_shard(
         block_sizes=mixer.ssd_block_sizes,
     )
     y = checkpoint_name(y, SCAN_IO)
-    return (y, z, x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))
+    gate = zxbcdt if whole_gate else z
+    return (y, gate, x, h, *(new_conv[p.name] for p in mixer.conv1d.parts))

@@ -42,8 +42,10 @@ class GatedRMSNorm(nnx.Module):
     def __call__(
         self, y: jax.Array, z: jax.Array | None = None, *, impl=None, added=None
     ) -> jax.Array:
-        """y, z (..., dim) -> (..., dim); each group of `group_size` channels is normalised
-        alone (pallas_kernels.gated_norm; `impl` overrides the layer's). added: (o (..., dim),
+        """y (..., dim), z (..., >= dim: the gate is its first dim channels, read in place by
+        the kernels where a mesh does not split them) -> (..., dim); each group of `group_size`
+        channels is normalised alone (pallas_kernels.gated_norm; `impl` overrides the layer's).
+        added: (o (..., dim),
         gain (dim,)), the norm then of y + o * gain. Under a mesh, the kernels run per device on
         its rows and its groups; a group split over "tensor" is left to XLA (its mean square is
         then an all-reduce)."""
@@ -71,10 +73,16 @@ class GatedRMSNorm(nnx.Module):
         if (weight.shape[0] // self.group_size) % tensor:
             return norm(y, z, weight, o, gain, impl="reference")
         rows = ("batch", "seq", "inner")
+        z_rows = rows
+        if z is not None and z.shape[-1] > y.shape[-1]:
+            if tensor > 1:  # a device's gate would not be the first channels of its piece
+                z = z[..., : y.shape[-1]]
+            else:
+                z_rows = ("batch", "seq", None)
         return per_device(
             norm,
             dict(y=y, z=z, weight=weight, o=o, gain=gain),
-            dict(y=rows, z=rows, weight=("inner",), o=rows, gain=("inner",)),
+            dict(y=rows, z=z_rows, weight=("inner",), o=rows, gain=("inner",)),
             [rows],
             seq_aware=True,  # each token alone
         )

@@ -121,13 +121,25 @@ def _bwd_kernel(*refs, n_rows, rows, group, has_z, has_added):
         plgpu.store(dgain_ref, dgain, mask=valid)
 
 
-def _specs(rows, width, has_z):
+def reads_in_place(e: int, group_size: int) -> bool:
+    """Whether the kernels read a gate wider than e channels in place: its (rows, channels) tile
+    of group g starts at channel g * tile width, which is g * group_size for one group or a
+    power-of-two group size."""
+    return e == group_size or group_size == _pow2(group_size)
+
+
+def _specs(rows, width, z):
     """Block specs of (rows, groups, group_size) arrays, weight (groups, group_size), rstd
-    (rows, groups); grid (row blocks, groups)."""
+    (rows, groups), and the inputs [y, z] (z also (rows, channels): the gate is its first
+    groups x group_size channels, `reads_in_place`); grid (row blocks, groups)."""
     rows_spec = pl.BlockSpec((rows, None, width), lambda i, g: (i, g, 0))
     weight = pl.BlockSpec((None, width), lambda i, g: (g, 0))
     rstd = pl.BlockSpec((rows, None), lambda i, g: (i, g))
-    inputs = [rows_spec, rows_spec] if has_z else [rows_spec]
+    inputs = [rows_spec]
+    if z is not None:
+        inputs.append(
+            rows_spec if z.ndim == 3 else pl.BlockSpec((rows, width), lambda i, g: (i, g))
+        )
     return rows_spec, weight, rstd, inputs
 
 
@@ -139,13 +151,13 @@ def _added_args(added, rows_spec, weight_spec):
 
 
 def forward(y, z, weight, *, eps, added=None, interpret=None):
-    """y, z (rows, groups, group_size), weight (groups, group_size) -> (out as y, rstd (rows,
-    groups) fp32). added: (o as y, gain (groups, group_size)); the norm's input is then
-    y + o * gain."""
+    """y, z (rows, groups, group_size) (z also (rows, >= groups x group_size), `reads_in_place`),
+    weight (groups, group_size) -> (out as y, rstd (rows, groups) fp32). added: (o as y, gain
+    (groups, group_size)); the norm's input is then y + o * gain."""
     n_rows, groups, group = y.shape
     rows, blocks, width = tiling(n_rows, group)
     has_z, has_added = z is not None, added is not None
-    rows_spec, weight_spec, rstd_spec, inputs = _specs(rows, width, has_z)
+    rows_spec, weight_spec, rstd_spec, inputs = _specs(rows, width, z)
     added_specs, added_arrays = _added_args(added, rows_spec, weight_spec)
     kernel = functools.partial(
         _fwd_kernel,
@@ -172,12 +184,12 @@ def forward(y, z, weight, *, eps, added=None, interpret=None):
 
 
 def backward(y, z, weight, rstd, dout, *, added=None, interpret=None):
-    """-> (dy as y, dz as z or None, dweight partials (row blocks, groups, group_size) fp32, and
+    """-> (dy as y, dz as y or None, dweight partials (row blocks, groups, group_size) fp32, and
     with `added` (as `forward`'s) (do as o, dgain partials as dweight's), else None)."""
     n_rows, groups, group = y.shape
     rows, blocks, width = tiling(n_rows, group)
     has_z, has_added = z is not None, added is not None
-    rows_spec, weight_spec, rstd_spec, inputs = _specs(rows, width, has_z)
+    rows_spec, weight_spec, rstd_spec, inputs = _specs(rows, width, z)
     added_specs, added_arrays = _added_args(added, rows_spec, weight_spec)
     kernel = functools.partial(
         _bwd_kernel, n_rows=n_rows, rows=rows, group=group, has_z=has_z, has_added=has_added
@@ -187,7 +199,7 @@ def backward(y, z, weight, rstd, dout, *, added=None, interpret=None):
     out_shape = [jax.ShapeDtypeStruct(y.shape, y.dtype)]
     out_specs = [rows_spec]
     if has_z:
-        out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
+        out_shape.append(jax.ShapeDtypeStruct(y.shape, z.dtype))
         out_specs.append(rows_spec)
     if has_added:
         out_shape += [jax.ShapeDtypeStruct(added[0].shape, added[0].dtype), partials_shape]

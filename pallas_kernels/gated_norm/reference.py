@@ -10,9 +10,10 @@ import jax.numpy as jnp
 
 
 def gated_rms_norm_reference(y, z, weight, *, group_size: int, eps: float, added=None):
-    """y, z (..., e), weight (e,), added None or (o (..., e), gain (e,)) -> (..., e) in y's
-    dtype."""
+    """y (..., e), z (..., >= e: its first e channels), weight (e,), added None or (o (..., e),
+    gain (e,)) -> (..., e) in y's dtype."""
     u = y.astype(jnp.float32)
+    z = None if z is None else z[..., : y.shape[-1]]
     if added is not None:
         u = u + added[0].astype(jnp.float32) * added[1].astype(jnp.float32)
     if z is not None:

@@ -111,19 +111,26 @@ def test_fast_path_gradients_equal_reference(kind, fast, slow):
         np.testing.assert_allclose(a, b, **GRAD_TOL)
 
 
-@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
-def test_conv_kernels_in_the_mixer_equal_xla(kind):
-    """`conv_impl="pallas"` (the conv kernels, interpreted here, reading in_proj's output in place)
-    gives the mixer's values and gradients of `conv_impl="reference"` (XLA's conv); the config's
-    choice reaches the conv (the kernels' custom call is in one program and not the other)."""
+@pytest.mark.parametrize(
+    "kind, field, kernel_name",
+    [
+        ("mamba", "conv_impl", "causal_conv1d_fwd"),
+        ("mamba2", "conv_impl", "causal_conv1d_fwd"),
+        ("mamba2", "norm_impl", "gated_norm_fwd"),
+    ],
+)
+def test_kernels_in_the_mixer_equal_xla(kind, field, kernel_name):
+    """`conv_impl` / `norm_impl` "pallas" (the conv's or the gated norm's kernels, interpreted
+    here, each reading in_proj's output in place: the conv its x (B, C), the norm its gate z)
+    gives the mixer's values and gradients of "reference" (XLA); the config's choice reaches the
+    layer (the kernels' custom call is in one program and not the other)."""
     u = random_inputs(l=64)  # two of the kernels' 32-row chunks
     weights = jax.random.normal(jax.random.key(6), u.shape)
 
-    def run(conv_impl):
+    def run(impl):
         cfg = _cfg(kind)
-        sub = "mamba" if kind == "mamba" else "mamba2"
         cfg = dataclasses.replace(
-            cfg, **{sub: dataclasses.replace(getattr(cfg, sub), conv_impl=conv_impl)}
+            cfg, **{kind: dataclasses.replace(getattr(cfg, kind), **{field: impl})}
         )
         mixer = MIXERS[kind](cfg, rngs=nnx.Rngs(0))
         nnx.update(mixer, nnx.state(_mixer(kind)))
@@ -137,7 +144,7 @@ def test_conv_kernels_in_the_mixer_equal_xla(kind):
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, u), jaxpr
 
     ((v_fast, g_fast), fast_jaxpr), ((v_slow, g_slow), slow_jaxpr) = run("pallas"), run("reference")
-    assert "causal_conv1d_fwd" in fast_jaxpr and "causal_conv1d_fwd" not in slow_jaxpr
+    assert kernel_name in fast_jaxpr and kernel_name not in slow_jaxpr
     np.testing.assert_allclose(v_fast, v_slow, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_fast), jax.tree.leaves(g_slow), strict=True):
         np.testing.assert_allclose(a, b, **GRAD_TOL)

@@ -128,10 +128,12 @@ def test_added_branch_is_the_norm_of_the_sum(monkeypatch, impl, dtype, gate):
     _assert_added_matches(impl, dtype, gate, (2, 37, 48), 12)
 
 
-@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("gate", [True, "wide", False])  # wide: z read in place in (.., 3352)
 @pytest.mark.parametrize("added", [False, True])
 def test_lowers_for_cuda(gate, added):
     y, z, weight, _ = _inputs((2, 64, 1536), jnp.bfloat16, gate)
+    if gate == "wide":
+        z = jnp.concatenate([z, jnp.zeros((2, 64, 1816), z.dtype)], axis=-1)
     o, gain = (y, weight) if added else (None, None)
 
     def loss(y, z, w, o, gain):
@@ -153,6 +155,33 @@ def test_lowers_for_cuda(gate, added):
     assert "triton" in text and "gated_norm_fwd" in text and "gated_norm_bwd" in text
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize(
+    "e, group_size, in_place",
+    [(48, 48, True), (32, 16, True), (36, 12, False)],  # one group; 2 of 16; 3 of 12: sliced
+)
+def test_a_wider_gate_is_its_first_channels(monkeypatch, impl, e, group_size, in_place):
+    """z (..., e + 20), as in_proj's whole output: the norm of y gated by z's first e channels,
+    read in place by the kernels where the groups allow (no slice traced), and z's gradient that
+    of those channels with zeros after."""
+    monkeypatch.setattr(gated_kernel, "PROGRAMS", 5)  # several rows a program
+    y, _, weight, cotangent = _inputs((2, 37, e), jnp.float32, False)
+    wide = jax.random.normal(jax.random.key(9), (2, 37, e + 20))
+
+    def norm(y, z, w):
+        return gated_rms_norm(y, z, w, group_size=group_size, eps=EPS, impl=impl)
+
+    got = _vjp(norm, y, wide, weight, cotangent)
+    out, (dy, dz, dw) = _vjp(norm, y, wide[..., :e], weight, cotangent)
+    want = (out, (dy, jnp.pad(dz, [(0, 0), (0, 0), (0, 20)]), dw))
+    for name, a, b in zip(("out", "dy", "dz", "dweight"), *map(jax.tree.leaves, (got, want))):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, err_msg=name, **TOL[jnp.float32])
+    if impl == "pallas":
+        jaxpr = str(jax.make_jaxpr(norm)(y, wide, weight))
+        assert ("slice" in jaxpr) == (not in_place)
+
+
 def test_auto_is_the_definition_on_a_cpu():
     y, z, weight, _ = _inputs((2, 5, 8), jnp.float32, True)
     np.testing.assert_array_equal(
@@ -167,7 +196,7 @@ def test_bad_inputs_are_named():
         gated_rms_norm(y, z, weight, group_size=3, eps=EPS)
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
         gated_rms_norm(y, z, weight[:4], group_size=4, eps=EPS)
-    with pytest.raises(ValueError, match=r"z must have y's shape \(2, 5, 8\), got \(2, 5, 4\)"):
+    with pytest.raises(ValueError, match=r"z must have y's shape \(2, 5, 8\) or more channels"):
         gated_rms_norm(y, z[..., :4], weight, group_size=4, eps=EPS)
     with pytest.raises(ValueError, match="impl must be one of"):
         gated_rms_norm(y, z, weight, group_size=4, eps=EPS, impl="triton")
