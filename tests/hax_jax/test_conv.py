@@ -265,5 +265,5 @@ def test_impl_is_checked():
     x, kernel, bias, state, _, _ = inputs(11, 4, jnp.float32, documents=False)
     with pytest.raises(ValueError, match="'xla'"):
         causal_conv1d(x, kernel, bias, state, impl="xla")
-    with pytest.raises(ValueError, match="l=11, k=4"):
+    with pytest.raises(ValueError, match="conv impl 'pallas'.*got l=11, k=4"):
         causal_conv1d(x, kernel, bias, state, impl="pallas")
