@@ -358,7 +358,18 @@ def _state_from_zero(x, dt, A, B, seq_idx) -> jax.Array:
 
 
 def selective_scan_sequence_parallel(
-    x, dt, A, B, C, D, z, initial_state, *, impl: str, recompute_states: bool = False
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    z,
+    initial_state,
+    *,
+    impl: str,
+    recompute_states: bool = False,
+    z_start: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """`pallas_kernels.selective_scan` (y, final state) of this shard, exact to one device.
 
@@ -367,13 +378,14 @@ def selective_scan_sequence_parallel(
     a second scan runs from the incoming state (the S6 state is per channel, so the incoming
     state's effect on y is not one cheap matmul as in SSD: the kernel applies it)."""
     scan = functools.partial(selective_scan, impl=impl, recompute_states=recompute_states)
+    scan_gated = functools.partial(scan, D=D, z=z, z_start=z_start)  # z_start: as selective_scan's
     if seq_shards() == 1:
-        return scan(x, dt, A, B, C, D=D, z=z, initial_state=initial_state, return_final_state=True)
+        return scan_gated(x, dt, A, B, C, initial_state=initial_state, return_final_state=True)
     _, final = scan(x, dt, A, B, C, return_final_state=True)
     dt_sum_bd = jnp.sum(dt.astype(jnp.float32), axis=1)
     decay_bdn = jnp.exp(dt_sum_bd[:, :, None] * A.astype(jnp.float32))
     h_in, h_final = incoming_states(decay_bdn, final, initial_state)
-    y = scan(x, dt, A, B, C, D=D, z=z, initial_state=h_in)
+    y = scan_gated(x, dt, A, B, C, initial_state=h_in)
     return y, h_final
 
 

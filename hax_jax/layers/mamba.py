@@ -15,6 +15,7 @@ from hax_jax.layers.conv import CausalConv1d, conv_shard
 from hax_jax.layers.fused import FusedLinear, Part, fused_linear
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
 from hax_jax.parallel import per_device, selective_scan_sequence_parallel, seq_shards
+from hax_jax.sharding import current_mesh
 from pallas_kernels.selective_scan import saved_states_bytes
 
 
@@ -121,8 +122,16 @@ class MambaMixer(nnx.Module):
         # sums the input's gradient over "tensor" once (per part, GSPMD would all-reduce each).
         in_kernels, in_biases = self.in_proj.arrays()
         conv = self.conv1d
+        # Channels whole on every device: the gate goes on as in_proj's whole output [x | z],
+        # which the scan's kernels read in place (a slice would be copied for them, and kept for
+        # the backward beside that output, which the conv's backward keeps).
+        mesh = current_mesh()
+        whole = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
+        gate = ("batch", "seq", None) if whole else ("batch", "seq", "inner")
         x, z, conv_state = per_device(
-            functools.partial(_front_shard, dtype=self.dtype, conv_impl=conv.impl),
+            functools.partial(
+                _front_shard, dtype=self.dtype, conv_impl=conv.impl, whole_gate=whole
+            ),
             dict(
                 u=u,
                 in_kernels=in_kernels,
@@ -139,9 +148,10 @@ class MambaMixer(nnx.Module):
                 conv_bias=("inner",),
                 conv_state=("batch", None, "inner"),
             ),
-            [("batch", "seq", "inner"), ("batch", "seq", "inner"), ("batch", None, "inner")],
+            [("batch", "seq", "inner"), gate, ("batch", None, "inner")],
             seq_aware=True,
         )
+        z_start = z.shape[-1] - x.shape[-1]  # the gate's first channel in z
         dt, B, C = self._dt_B_C(x)
 
         h0 = None if cache is None else cache.ssm
@@ -149,7 +159,11 @@ class MambaMixer(nnx.Module):
         layers_held = 0 if self.remat_blocks(u.shape[1]) else self.mamba_layers
         y, ssm_state = per_device(
             functools.partial(
-                _scan_shard, impl=self.scan_impl, states=self.scan_states, layers=layers_held
+                _scan_shard,
+                impl=self.scan_impl,
+                states=self.scan_states,
+                layers=layers_held,
+                z_start=z_start,
             ),
             dict(
                 x=x,
@@ -168,7 +182,7 @@ class MambaMixer(nnx.Module):
                 B=("batch", "seq", None),
                 C=("batch", "seq", None),
                 D=("inner",),
-                z=channels,
+                z=gate,
                 initial_state=("batch", "inner", None),
             ),
             [channels, ("batch", "inner", None)],
@@ -178,6 +192,7 @@ class MambaMixer(nnx.Module):
         if self.branch is not None:
             # HAX with Mamba: y = scan(x) * SiLU(z) + o * E * SiLU(z).
             o, sparse_cache = self.branch.forward(x, cache, mask=mask, rng=rng)
+            z = z[..., z_start:]
             y = y.astype(jnp.float32) + o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, ssm_state, sparse_cache)
 
@@ -200,19 +215,22 @@ class MambaMixer(nnx.Module):
         return self.out_proj(y.astype(self.dtype)), MambaCache(conv_state, h, sparse_cache)
 
 
-def _front_shard(u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype, conv_impl):
+def _front_shard(
+    u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype, conv_impl, whole_gate
+):
     """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
-    shard_map): -> (x post-conv (b, l, e), z (b, l, e), the conv's new state)."""
+    shard_map): -> (x post-conv (b, l, e), z (b, l, e) (with `whole_gate` in_proj's whole output
+    [x | z] (b, l, 2e)), the conv's new state)."""
     xz, shapes = fused_linear(u, in_kernels, in_biases, dtype, ("x", "z"))
     xz = checkpoint_name(xz, SCAN_IO)
     # The conv reads x in place in in_proj's output (its first channels).
     x, new_state = conv_shard(
         xz, conv_kernel, conv_bias, conv_state, None, silu=True, impl=conv_impl
     )
-    return x, xz[..., shapes[0][0] :], new_state
+    return x, xz if whole_gate else xz[..., shapes[0][0] :], new_state
 
 
-def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers):
+def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers, z_start):
     """The selective scan of one device's shard (`selective_scan_sequence_parallel`), its backward's
     states saved or recomputed as `states` says ("auto" on this shard's sizes, `layers` Mamba
     layers' states held at once)."""
@@ -221,7 +239,7 @@ def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers):
     held = layers * scans * saved_states_bytes(b, l, d, A.shape[1])
     recompute = recomputes_scan_states(states, held)
     y, final = selective_scan_sequence_parallel(
-        x, dt, A, B, C, D, z, initial_state, impl=impl, recompute_states=recompute
+        x, dt, A, B, C, D, z, initial_state, impl=impl, recompute_states=recompute, z_start=z_start
     )
     return checkpoint_name(y, SCAN_IO), final
 

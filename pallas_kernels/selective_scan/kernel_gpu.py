@@ -174,11 +174,13 @@ def _gpu_backward_kernel(*refs, chunk, num_chunks, has_z):
     dd_ref[...] = dD
 
 
-def _gpu_specs(geo):
-    """BlockSpecs of the gpu grid (batch, channel block): whole sequences per program."""
+def _gpu_specs(geo, z_block=0):
+    """BlockSpecs of the gpu grid (batch, channel block): whole sequences per program; the gate
+    from channel block `z_block` of its array on."""
     bd, n, l = geo.block_d, geo.n_pad, geo.l_pad
     return dict(
         seq=pl.BlockSpec((None, l, bd), lambda i, j: (i, 0, j)),
+        z=pl.BlockSpec((None, l, bd), lambda i, j: (i, 0, j + z_block)),
         bc=pl.BlockSpec((None, l, n), lambda i, j: (i, 0, 0)),
         A=pl.BlockSpec((bd, n), lambda i, j: (j, 0)),
         D=pl.BlockSpec((bd,), lambda i, j: (j,)),
@@ -192,10 +194,10 @@ def _gpu_specs(geo):
 def gpu_forward(geo, p, *, save_states, num_warps, interpret):
     """pallas_call of the gpu forward on padded inputs: (y, final, chunk-start states)."""
     b = p["x"].shape[0]
-    s = _gpu_specs(geo)
+    s = _gpu_specs(geo, p["z_block"])
     names = ["x", "dt"] + ["z"] * (p["z"] is not None) + ["B", "C", "A", "D"]
     names += ["h0"] * (p["h0"] is not None)
-    spec_of = dict(x="seq", dt="seq", z="seq", B="bc", C="bc", A="A", D="D", h0="state")
+    spec_of = dict(x="seq", dt="seq", z="z", B="bc", C="bc", A="A", D="D", h0="state")
     out_shape = [
         jax.ShapeDtypeStruct((b, geo.l_pad, geo.d_pad), p["x"].dtype),
         jax.ShapeDtypeStruct((b, geo.d_pad, geo.n_pad), F32),
@@ -241,12 +243,13 @@ def gpu_backward(geo, p, states, dout, dfinal, *, partial_dtypes, num_warps, int
     """pallas_call of the gpu backward: dx, ddt, dz, dB/dC (from partials of partial_dtypes
     summed in fp32), dA/dD per row, dh0."""
     b = p["x"].shape[0]
-    s = _gpu_specs(geo)
+    s = _gpu_specs(geo, p["z_block"])
     has_z = p["z"] is not None
     seq_shape = (b, geo.l_pad, geo.d_pad)
     ins = [p["x"], p["dt"]] + [p["z"]] * has_z + [dout, p["B"], p["C"], p["A"], p["D"]]
     ins += [states, dfinal]
-    in_specs = [s["seq"]] * (3 + has_z) + [s["bc"], s["bc"], s["A"], s["D"], s["states"]]
+    in_specs = [s["seq"], s["seq"]] + [s["z"]] * has_z + [s["seq"], s["bc"], s["bc"]]
+    in_specs += [s["A"], s["D"], s["states"]]
     in_specs.append(s["state"])
     out_shape = [jax.ShapeDtypeStruct(seq_shape, p["x"].dtype)]
     out_shape += [jax.ShapeDtypeStruct(seq_shape, p["dt"].dtype)]

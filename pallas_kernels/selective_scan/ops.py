@@ -14,7 +14,7 @@ from .reference import selective_scan_reference
 IMPLS = ("auto", "associative", "pallas", "reference")
 
 
-def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
+def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size, z_start=0):
     """Check shapes, dtypes and static arguments; return (b, l, d, n)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -31,15 +31,23 @@ def _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size):
     check_shape("C", C, (b, l, n), "(b, l, n)")
     for name, arr in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         check_float(name, arr)
+    if isinstance(z_start, bool) or not isinstance(z_start, int) or z_start < 0:
+        raise ValueError(f"z_start must be a non-negative int, got {z_start!r}")
+    if z is not None and (z.ndim != 3 or z.shape[:2] != (b, l) or z.shape[2] < z_start + d):
+        raise ValueError(
+            f"z must have shape (b, l, >= z_start + d) = ({b}, {l}, >= {z_start + d}), "
+            f"got {z.shape}"
+        )
     optional = (
         ("D", D, (d,), "(d,)"),
-        ("z", z, (b, l, d), "(b, l, d)"),
         ("initial_state", initial_state, (b, d, n), "(b, d, n)"),
     )
     for name, arr, shape, desc in optional:
         if arr is not None:
             check_shape(name, arr, shape, desc)
             check_float(name, arr)
+    if z is not None:
+        check_float("z", z)
     return b, l, d, n
 
 
@@ -70,14 +78,17 @@ def _bwd_knobs(sizes):
     return dict(chunk_bwd=sizes.chunk_bwd, block_d=sizes.block_d_bwd, num_warps=sizes.num_warps_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute):
-    """(y, final state) by the Pallas kernels, differentiable through the fused backward."""
-    y, final, _ = _forward(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _pallas_scan(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute, z_at):
+    """(y, final state) by the Pallas kernels, differentiable through the fused backward; the
+    gate is z's channels from z_at (z may be wider than x)."""
+    y, final, _ = _forward(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, z_at)
     return y, final
 
 
-def _forward(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, save_states=False):
+def _forward(
+    x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, z_at, save_states=False
+):
     """pallas.forward with the resolved sizes: (y, final state, the saved states or None)."""
     return pallas.forward(
         x,
@@ -89,25 +100,31 @@ def _forward(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, sav
         z,
         initial_state,
         variant=variant,
+        z_start=z_at,
         interpret=interpret,
         save_states=save_states,
         **_fwd_knobs(sizes),
     )
 
 
-def _pallas_scan_fwd(x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute):
+def _pallas_scan_fwd(
+    x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute, z_at
+):
     """Forward that also saves the state every chunk_bwd steps for the backward, unless the
     backward is to recompute them."""
     inputs = (x, dt, A, B, C, D, z, initial_state)
-    y, final, states = _forward(*inputs, variant, interpret, sizes, save_states=not recompute)
+    statics = (variant, interpret, sizes, z_at)
+    y, final, states = _forward(*inputs, *statics, save_states=not recompute)
     return (y, final), (*inputs, states)
 
 
-def _pallas_scan_bwd(variant, interpret, sizes, recompute, residuals, cotangents):
-    """Cotangents of every input (None for absent optional ones), in the inputs' dtypes."""
+def _pallas_scan_bwd(variant, interpret, sizes, recompute, z_at, residuals, cotangents):
+    """Cotangents of every input (None for absent optional ones), in the inputs' dtypes; a
+    wider z's other channels take zeros."""
     x, dt, A, B, C, D, z, initial_state, states = residuals
     if recompute:  # the forward again, this time keeping its states
-        _, _, states = _forward(*residuals[:-1], variant, interpret, sizes, save_states=True)
+        statics = (variant, interpret, sizes, z_at)
+        _, _, states = _forward(*residuals[:-1], *statics, save_states=True)
     dout, dfinal = cotangents
     dx, ddt, dA, dB, dC, dD, dz, dh0 = pallas.backward(
         x,
@@ -122,9 +139,13 @@ def _pallas_scan_bwd(variant, interpret, sizes, recompute, residuals, cotangents
         dout,
         dfinal,
         variant=variant,
+        z_start=z_at,
         interpret=interpret,
         **_bwd_knobs(sizes),
     )
+    if dz is not None and dz.shape != z.shape:
+        d = x.shape[2]
+        dz = jnp.pad(dz, [(0, 0), (0, 0), (z_at, z.shape[2] - z_at - d)])
     cast = lambda grad, primal: None if primal is None else grad.astype(primal.dtype)  # noqa: E731
     return (
         dx,
@@ -161,6 +182,7 @@ def saved_states_bytes(b, l, d, n, *, variant=None, block_sizes=None) -> int:
         "interpret",
         "block_sizes",
         "recompute_states",
+        "z_start",
     ),
 )
 def selective_scan(
@@ -180,10 +202,15 @@ def selective_scan(
     interpret=None,
     block_sizes=None,
     recompute_states=False,
+    z_start=0,
 ):
     """Mamba-1 selective scan (S6): y, or (y, final_state) if return_final_state.
 
     Shapes: x, dt, z (b, l, d); A (d, n); B, C (b, l, n); D (d,); initial_state (b, d, n).
+    z may be wider, (b, l, >= z_start + d) (in_proj's whole output [x | z]): the gate is its
+    channels z_start .. z_start + d, which the Pallas kernels read in place where they can
+    (a slice would be copied for them, and kept for the backward beside that output) and its
+    other channels take a zero gradient.
     dt is already positive (softplus applied by the caller). Computes in fp32 (fp64 inputs
     stay fp64); y comes back in x.dtype, final_state (b, d, n) in the compute dtype.
     impl: "auto" ("pallas" where `backend.auto_picks_pallas()` and the inputs are fp32/bf16,
@@ -199,10 +226,9 @@ def selective_scan(
     the forward to the backward: for a model, every layer's at once) - one more forward kernel
     for that memory. The other impls ignore it (they keep what autodiff saves).
     """
-    _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size)
+    _validate(x, dt, A, B, C, D, z, initial_state, impl, chunk_size, z_start)
     if not isinstance(recompute_states, bool):
         raise ValueError(f"recompute_states must be a bool, got {recompute_states!r}")
-    kwargs = dict(D=D, z=z, initial_state=initial_state, return_final_state=return_final_state)
     arrays = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
     if impl == "auto":
         fp64 = any(a is not None and a.dtype == jnp.float64 for a in arrays.values())
@@ -211,10 +237,11 @@ def selective_scan(
     if impl == "pallas":
         variant = variant or backend.default_variant()
         sizes = _check_pallas(arrays, variant, block_sizes)
-        y, final = _pallas_scan(
-            x, dt, A, B, C, D, z, initial_state, variant, interpret, sizes, recompute_states
-        )
+        statics = (variant, interpret, sizes, recompute_states, z_start)
+        y, final = _pallas_scan(x, dt, A, B, C, D, z, initial_state, *statics)
         return (y, final) if return_final_state else y
+    gate = z if z is None else z[..., z_start : z_start + x.shape[2]]
+    kwargs = dict(D=D, z=gate, initial_state=initial_state, return_final_state=return_final_state)
     if impl == "reference":
         return selective_scan_reference(x, dt, A, B, C, **kwargs)
     return selective_scan_associative(x, dt, A, B, C, chunk_size=chunk_size, **kwargs)

@@ -30,6 +30,7 @@ def forward(
     initial_state=None,
     *,
     variant,
+    z_start=0,
     interpret=None,
     chunk=None,
     chunk_bwd=None,
@@ -39,6 +40,8 @@ def forward(
 ):
     """Pallas selective scan forward; same contract as selective_scan_reference.
 
+    z may be wider than x, the gate its channels z_start .. z_start + d (read in place where the
+    kernels allow: tiling.padded_inputs).
     Returns (y (b, l, d) in x.dtype, final state (b, d, n) fp32, states): states are the fp32
     states every chunk_bwd steps, the residual `backward` needs (None unless save_states).
     chunk, chunk_bwd, block_d, num_warps: tuning knobs (see BlockSizes), None =
@@ -50,7 +53,7 @@ def forward(
     _, l, d = x.shape
     n = A.shape[1]
     geo = geometry(variant, l, d, n, sizes.chunk, sizes.chunk_bwd, sizes.block_d)
-    p = padded_inputs(geo, x, dt, A, B, C, D, z, initial_state)
+    p = padded_inputs(geo, x, dt, A, B, C, D, z, initial_state, z_start=z_start, variant=variant)
     if variant == "gpu":
         y, final, states = gpu_forward(
             geo, p, save_states=save_states, num_warps=sizes.num_warps, interpret=interpret
@@ -76,6 +79,7 @@ def backward(
     dfinal,
     *,
     variant,
+    z_start=0,
     interpret=None,
     chunk_bwd=None,
     block_d=None,
@@ -85,8 +89,8 @@ def backward(
 
     `states` comes from forward(..., save_states=True) with the same chunk_bwd, which is the
     length of the backward's chunks. Returns (dx, ddt, dA, dB, dC, dD, dz, d initial_state):
-    dx, ddt, dz in the dtypes of x, dt, z, the rest fp32; dz and d initial_state are None
-    when z and initial_state are."""
+    dx, ddt, dz in the dtypes of x, dt, z, the rest fp32 (dz (b, l, d): the gate's, z_start as
+    `forward`'s); dz and d initial_state are None when z and initial_state are."""
     sizes = resolve_block_sizes(
         variant,
         BlockSizes(chunk=chunk_bwd, chunk_bwd=chunk_bwd, block_d=block_d, num_warps=num_warps),
@@ -99,7 +103,7 @@ def backward(
             f"states hold {states.shape[1]} saved states, chunk_bwd={geo.chunk} needs "
             f"{geo.num_chunks}: call backward with forward's chunk_bwd"
         )
-    p = padded_inputs(geo, x, dt, A, B, C, D, z, initial_state)
+    p = padded_inputs(geo, x, dt, A, B, C, D, z, initial_state, z_start=z_start, variant=variant)
     # The forward may have padded further (to its longer chunks): drop the states it saved
     # in that padding.
     states = _fit_channels(states[:, : geo.num_chunks], variant, geo.d_pad)

@@ -135,18 +135,29 @@ def pad_to(arr, shape):
     return jnp.pad(arr, widths) if any(w for _, w in widths) else arr
 
 
-def padded_inputs(geo, x, dt, A, B, C, D, z, initial_state):
+def padded_inputs(geo, x, dt, A, B, C, D, z, initial_state, *, z_start=0, variant="gpu"):
     """Inputs padded to the geometry: x, dt, z keep their dtypes; A, B, C, D, initial_state
     in fp32 (B and C are small, b l n, and a kernel loading them in bf16 would convert n values
-    per step and thread); D=None as zeros."""
-    b, _, d = x.shape
+    per step and thread); D=None as zeros. The gate is z's channels z_start .. z_start + d:
+    read in place ("z_block": its first channel block) where the gpu kernels need no padding and
+    z_start is a whole number of channel blocks, else sliced out and padded."""
+    b, l, d = x.shape
     seq = (b, geo.l_pad, geo.d_pad)
     bc = (b, geo.l_pad, geo.n_pad)
     D = jnp.zeros((d,), F32) if D is None else D.astype(F32)
+    z_block, in_place = 0, False
+    if z is not None and (z_start or z.shape[2] != d):
+        aligned = (geo.l_pad, geo.d_pad) == (l, d) and z_start % geo.block_d == 0
+        in_place = variant == "gpu" and aligned
+        if in_place:
+            z_block = z_start // geo.block_d
+        else:
+            z = z[..., z_start : z_start + d]
     return dict(
         x=pad_to(x, seq),
         dt=pad_to(dt, seq),
-        z=None if z is None else pad_to(z, seq),
+        z=None if z is None else (z if in_place else pad_to(z, seq)),
+        z_block=z_block,
         B=pad_to(B.astype(F32), bc),
         C=pad_to(C.astype(F32), bc),
         A=pad_to(A.astype(F32), (geo.d_pad, geo.n_pad)),

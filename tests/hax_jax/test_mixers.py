@@ -117,11 +117,13 @@ def test_fast_path_gradients_equal_reference(kind, fast, slow):
         ("mamba", "conv_impl", "causal_conv1d_fwd"),
         ("mamba2", "conv_impl", "causal_conv1d_fwd"),
         ("mamba2", "norm_impl", "gated_norm_fwd"),
+        ("mamba", "scan_impl", "pallas_call"),  # the scan reading its gate in place in [x | z]
     ],
 )
 def test_kernels_in_the_mixer_equal_xla(kind, field, kernel_name):
-    """`conv_impl` / `norm_impl` "pallas" (the conv's or the gated norm's kernels, interpreted
-    here, each reading in_proj's output in place: the conv its x (B, C), the norm its gate z)
+    """`conv_impl` / `norm_impl` / `scan_impl` "pallas" (the conv's, the gated norm's or the
+    selective scan's kernels, interpreted here, each reading in_proj's output in place: the conv
+    its x (B, C), the norm and the scan their gate z)
     gives the mixer's values and gradients of "reference" (XLA); the config's choice reaches the
     layer (the kernels' custom call is in one program and not the other)."""
     u = random_inputs(l=64)  # two of the kernels' 32-row chunks

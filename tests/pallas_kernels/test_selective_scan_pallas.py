@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxprs import sub_jaxprs
 from kernel_checks import (
     COMPILED,
     SCAN_OPTIONAL,
@@ -83,6 +84,49 @@ def test_gpu_variant_matches_reference(shape, dtype, sizes, optional):
     """The gpu (Triton) kernels, interpreted: values and gradients of every input."""
     inputs = selective_scan_inputs(*shape, dtype=dtype, optional=optional)
     check_against_reference(inputs, dtype, variant="gpu", interpret=True, block_sizes=sizes)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "associative"])
+@pytest.mark.parametrize(
+    "l, z_start, in_place",
+    [(32, 16, True), (32, 0, True), (37, 16, False), (32, 4, False)],  # [x | z]; [z | more];
+    # a length the chunks pad; a start inside a channel block: both sliced
+)
+def test_a_wider_gate_is_its_channels_from_z_start(impl, l, z_start, in_place):
+    """z (b, l, 40) with the gate at channels z_start .. z_start + 16 (in_proj's whole output
+    [x | z] for z_start = d): the scan gated by those channels, values and gradients, z's other
+    channels taking zeros; read in place by the gpu kernels (interpreted) where no padding is
+    needed and z_start is a whole number of channel blocks (no slice traced), else sliced."""
+    inputs = selective_scan_inputs(2, l, 16, 4, optional=("D", "initial_state"))
+    wide = jax.random.normal(jax.random.key(5), (2, l, 40))
+    sizes = BlockSizes(chunk=8, chunk_bwd=4, block_d=8)
+    kwargs = dict(impl=impl, variant="gpu", interpret=True, block_sizes=sizes)
+    if impl == "associative":
+        kwargs = dict(impl=impl)
+    got = outputs_and_grads(dict(inputs, z=wide), z_start=z_start, **kwargs)
+    y, h, g = outputs_and_grads(dict(inputs, z=wide[..., z_start : z_start + 16]), **kwargs)
+    g["z"] = jnp.pad(g["z"], [(0, 0), (0, 0), (z_start, 40 - z_start - 16)])
+    for name, a, b in zip(("y", "h", "grads"), got, (y, h, g)):
+        for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            assert leaf_a.shape == leaf_b.shape, name
+            assert_close(leaf_a, leaf_b, TOL[jnp.float32], name)
+    if impl == "pallas":
+        scan = functools.partial(selective_scan, z_start=z_start, **kwargs)
+        args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+        jaxpr = jax.make_jaxpr(lambda *a: scan(*a, z=wide))(*args)
+        assert (_slices_of(jaxpr.jaxpr, wide.shape) > 0) == (not in_place)
+
+
+def _slices_of(jaxpr, shape) -> int:
+    """How many slices of a `shape` array the program takes outside its kernels' bodies."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        if eqn.primitive.name == "slice" and eqn.invars[0].aval.shape == shape:
+            count += 1
+        count += sum(_slices_of(sub, shape) for sub in sub_jaxprs(eqn))
+    return count
 
 
 def test_recomputed_states_are_not_kept_and_change_no_gradient():
@@ -179,23 +223,31 @@ def _realistic_args(b=2, l=2048, d=1536, n=16):
     )
 
 
-@pytest.mark.parametrize("platform, variant", [("cuda", "gpu"), ("tpu", "tpu")])
-def test_cross_lowering(platform, variant):
+@pytest.mark.parametrize(
+    "platform, variant, whole",
+    [("cuda", "gpu", False), ("cuda", "gpu", True), ("tpu", "tpu", True)],
+)
+def test_cross_lowering(platform, variant, whole):
     """Forward and forward+backward lower for the variant's compiler at (b2, l2048, d1536,
-    n16) bf16: every primitive has a Triton / Mosaic lowering, every block shape is legal."""
+    n16) bf16: every primitive has a Triton / Mosaic lowering, every block shape is legal;
+    `whole`: z is in_proj's whole output [x | z] (b, l, 2d), the gate from channel d."""
+    z_start = 1536 if whole else 0
 
     def forward(inputs):
         """y and final state, compiled (not interpreted)."""
-        return run(inputs, impl="pallas", variant=variant, interpret=False)
+        return run(inputs, impl="pallas", variant=variant, interpret=False, z_start=z_start)
 
     def grads(inputs):
         """Gradients of a loss of both outputs."""
         y, h = forward(inputs)
         return jax.grad(lambda i: jnp.sum(forward(i)[0].astype(jnp.float32)) + jnp.sum(h))(inputs)
 
+    args = _realistic_args()
+    if whole:
+        args["z"] = jax.ShapeDtypeStruct((2, 2048, 2 * 1536), jnp.bfloat16)
     call = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
     for fn, kernels in ((forward, 1), (grads, 2)):
-        text = lower_for(platform, fn, _realistic_args())
+        text = lower_for(platform, fn, args)
         assert text.count(call) >= kernels, fn.__name__
 
 
