@@ -177,6 +177,10 @@ def causal_conv1d(
     if impl == "auto":
         impl = "pallas" if auto_picks_pallas() and conv_kernels_take(l, k) else "reference"
     if impl == "pallas":
+        if jax.default_backend() == "tpu":
+            raise ValueError(
+                "conv impl 'pallas' has Triton (GPU) kernels only; on a TPU use 'auto'"
+            )
         if not conv_kernels_take(l, k):
             raise ValueError(
                 f"conv impl 'pallas': the kernels need a length that is a multiple of {ROWS} "

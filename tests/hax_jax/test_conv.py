@@ -260,10 +260,14 @@ def test_kernels_compiled_on_gpu(documents, silu, in_place):
         assert err <= TOL[jnp.bfloat16]["atol"] * scale
 
 
-def test_impl_is_checked():
-    """An unknown impl, and the kernels asked for rows they do not take, each refuse by name."""
+def test_impl_is_checked(monkeypatch):
+    """An unknown impl, the kernels asked for rows they do not take, and asked for on a TPU (they
+    are Triton's), each refuse by name."""
     x, kernel, bias, state, _, _ = inputs(11, 4, jnp.float32, documents=False)
     with pytest.raises(ValueError, match="'xla'"):
         causal_conv1d(x, kernel, bias, state, impl="xla")
     with pytest.raises(ValueError, match="conv impl 'pallas'.*got l=11, k=4"):
+        causal_conv1d(x, kernel, bias, state, impl="pallas")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(ValueError, match="Triton .GPU. kernels only; on a TPU use 'auto'"):
         causal_conv1d(x, kernel, bias, state, impl="pallas")
