@@ -18,7 +18,6 @@ from hax_jax.parallel import (
 from pallas_kernels.backend import auto_picks_pallas
 from pallas_kernels.conv1d import causal_conv1d_pallas
 from pallas_kernels.conv1d import supports as conv_kernels_take
-from pallas_kernels.conv1d.kernel import ROWS
 
 
 class CausalConv1d(nnx.Module):
@@ -177,17 +176,8 @@ def causal_conv1d(
     if impl == "auto":
         impl = "pallas" if auto_picks_pallas() and conv_kernels_take(l, k) else "reference"
     if impl == "pallas":
-        if jax.default_backend() == "tpu":
-            raise ValueError(
-                "conv impl 'pallas' has Triton (GPU) kernels only; on a TPU use 'auto'"
-            )
-        if not conv_kernels_take(l, k):
-            raise ValueError(
-                f"conv impl 'pallas': the kernels need a length that is a multiple of {ROWS} "
-                f"and a width <= {ROWS}; got l={l}, k={k} (impl 'auto' uses XLA there)"
-            )
-        # The Triton kernels: one pass each way (pallas_kernels/conv1d); this function's own
-        # arithmetic below is their definition.
+        # The Triton kernels: one pass each way (pallas_kernels/conv1d, which refuses a TPU and
+        # rows it does not take); this function's own arithmetic below is their definition.
         y = causal_conv1d_pallas(
             x, kernel, bias, state, seq_idx, state_seq_idx, silu=silu, start=start, parts=parts
         )

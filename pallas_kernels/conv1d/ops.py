@@ -37,9 +37,12 @@ def causal_conv1d_pallas(
     (`supports`)."""
     b, l, width = x.shape
     k, c = kernel.shape
+    if jax.default_backend() == "tpu":
+        raise ValueError("conv impl 'pallas' has Triton (GPU) kernels only; on a TPU use 'auto'")
     if not supports(l, k):
         raise ValueError(
-            f"the conv kernels need l a multiple of {ROWS} and k <= {ROWS}; got l={l}, k={k}"
+            f"conv impl 'pallas': the kernels need a length that is a multiple of {ROWS} "
+            f"and a width <= {ROWS}; got l={l}, k={k} (impl 'auto' uses XLA there)"
         )
     if not 0 <= start <= width - c:
         raise ValueError(f"channels {start} .. {start + c} are not all in x's {width}")
