@@ -94,6 +94,7 @@ class Trainer:
             lr=optim.learning_rate(cfg.optim, cfg.train.num_steps),
             update_shardings=param_sh.update,
             use_shardings=param_sh.gathered,
+            compute_dtype=cfg.model.dtype,
         )
         options = training.step_compiler_options(cfg.mesh, mesh, abstract, param_sh.use)
         self.step_fn = jax.jit(

@@ -155,7 +155,9 @@ class MeshConfig:
     # to run beside it (the global-norm clip waits for every gradient before any update). "use": at
     # the start of the step that uses them, where XLA may run it beside the forward; they rest
     # split like the moments, and the gathered copy is a temporary of the step (4 bytes a
-    # parameter). The trained numbers are the same either way.
+    # parameter; 2 for those the model reads only cast to a bf16 / fp16 model.dtype, the matmuls'
+    # kernels, which are gathered cast: hax_jax/gather.py). The trained numbers are the same
+    # either way.
     param_gather: Literal["update", "use"] = "update"
     # XLA:GPU's joining of the gradients' and parameters' collectives over "data" and "seq"
     # (all-reduces; with fsdp or shard_optimizer also reduce-scatters and all-gathers) into fewer,

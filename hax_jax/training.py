@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hax_jax import checkpoint, optim, sharding
+from hax_jax import checkpoint, gather, optim, sharding
 from hax_jax import config as config_lib
 from hax_jax.loss import chunk_count, token_nll_chunked, weighted_nll
 from hax_jax.models.lm import LanguageModel, rank_loss_sum
@@ -102,6 +102,7 @@ def train_step(
     lr: optax.Schedule,
     update_shardings: dict | None = None,
     use_shardings: dict | None = None,
+    compute_dtype: str = "float32",
 ):
     """One AdamW step; a non-finite loss or gradient leaves the state as it was and unhealthy.
 
@@ -117,13 +118,21 @@ def train_step(
     backend all-reduces and slices).
 
     `use_shardings` (mesh.param_gather="use"): the state's parameters rest split as the update's
-    and are gathered to these for the loss first, so the gather opens the step instead of ending it.
+    and are gathered to these for the loss first, so the gather opens the step instead of ending it;
+    those the model reads only cast to `compute_dtype` (the model's) are gathered cast (gather.py).
     """
     rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     params = state.params
     if use_shardings is not None:
-        params = jax.lax.with_sharding_constraint(params, use_shardings)
+        castable = jax.tree.map(lambda _: False, params)
+        if jnp.dtype(compute_dtype) != jnp.float32:
+            castable = gather.cast_at_every_use(
+                lambda p, b, r: loss_fn(p, graphdef, b, r, rank_loss_weight),
+                (params, batch, rng),
+                compute_dtype,
+            )[0]
+        params = gather.gathered(params, update_shardings, use_shardings, castable, compute_dtype)
     (loss, metrics), grads = grad_fn(params, graphdef, batch, rng, rank_loss_weight)
     if update_shardings is not None:
         grads = jax.lax.with_sharding_constraint(grads, update_shardings)

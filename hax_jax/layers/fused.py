@@ -154,9 +154,12 @@ def apart(joined: jax.Array, order: Sequence[str], shapes) -> dict[str, jax.Arra
 def joined_kernel(kernels: Mapping, biases: Mapping | None, dtype, order):
     """(the kernels (in, *shape) joined in `order` as (in, total), the biases as (total,) or None,
     both in `dtype`; the parts' shapes)."""
-    kernel, shapes = side_by_side(kernels, order, lead=1)
-    bias = None if biases is None else side_by_side(biases, order, lead=0)[0].astype(dtype)
-    return kernel.astype(dtype), bias, shapes
+    # Each part cast before the join (the same values): a part is then read only cast, so it is
+    # gathered cast under mesh.param_gather="use" (hax_jax/gather.py).
+    cast = lambda parts: {k: jnp.asarray(v).astype(dtype) for k, v in parts.items()}  # noqa: E731
+    kernel, shapes = side_by_side(cast(kernels), order, lead=1)
+    bias = None if biases is None else side_by_side(cast(biases), order, lead=0)[0]
+    return kernel, bias, shapes
 
 
 def fused_linear(x: jax.Array, kernels: Mapping, biases: Mapping | None, dtype, order):

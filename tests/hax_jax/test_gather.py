@@ -1,0 +1,187 @@
+"""mesh.param_gather="use" gathers in the compute dtype the parameters the model reads only cast to
+it (hax_jax/gather.py), changing no number: which leaves qualify, the gathers XLA's partitioner
+makes of them, and the training, on the simulated CPU devices of tests/conftest.py."""
+
+import collections
+import glob
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import train
+from hax_jax import checkpoint, gather, training
+
+BF16 = jnp.bfloat16
+AUTO = AxisType.Auto
+TINY = ["configs/tiny.py", "model.dtype=bfloat16", "data.batch_size=8", "data.seq_len=128"]
+TINY += ["data.task=mqar", "data.mqar.num_kv_pairs=8", "data.mqar.valid_size=16"]
+AT_USE = ["mesh.data=8", "mesh.shard_optimizer=true", "mesh.param_gather=use"]
+
+
+def test_cast_at_every_use_reads_through_calls():
+    """A leaf qualifies when each of its uses, also inside jit, remat, scan or shard_map bodies,
+    is a cast to the dtype; any other use (arithmetic, another dtype, a custom VJP, being
+    returned) keeps it out."""
+
+    @jax.custom_vjp
+    def opaque(x):
+        return x
+
+    opaque.defvjp(lambda x: (x, None), lambda _, ct: (ct,))
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+    in_map = jax.shard_map(
+        lambda w: w.astype(BF16).sum()[None], mesh=mesh, in_specs=P(), out_specs=P("d")
+    )
+
+    def fn(jitted, remat, scanned, mapped, raw, other, mixed, custom, returned):
+        total = jax.jit(lambda w: w.astype(BF16).sum())(jitted)
+        total += jax.checkpoint(lambda w: w.astype(BF16).sum())(remat)
+        total += jax.lax.scan(lambda c, _: (c + scanned.astype(BF16).sum(), None), 0.0, None, 3)[0]
+        total += in_map(mapped).sum()
+        total += (raw * 2).sum() + other.astype(jnp.float16).sum()
+        total += mixed.astype(BF16).sum() + mixed.sum()
+        total += opaque(custom).sum()
+        return total, returned
+
+    args = tuple(jnp.ones((4,), jnp.float32) for _ in range(9))
+    flags = gather.cast_at_every_use(fn, args, BF16)
+    assert flags == (True, True, True, True, False, False, False, False, False)
+
+
+def test_gathered_cast_changes_no_value_or_gradient():
+    """A leaf read only cast to bf16, gathered cast: the same values and the same fp32 gradient,
+    also where two casts of it each pass back an fp32 cotangent and they sum to a value bf16
+    cannot hold."""
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2], axis_types=(AUTO,))
+    split, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+    rng = np.random.default_rng(0)
+    p = jax.device_put(jnp.asarray(rng.standard_normal((8, 4)), jnp.float32), split)
+    a, b = (jnp.asarray(rng.standard_normal((4,)), BF16) for _ in range(2))
+
+    def loss(w):
+        first = (w.astype(BF16) @ a).astype(jnp.float32)
+        second = (w.astype(BF16) @ b).astype(jnp.float32)
+        return jnp.sum(first * first) + jnp.sum(jnp.sin(second))
+
+    def through(cast):
+        def fn(w):
+            return loss(
+                gather.gathered({"w": w}, {"w": split}, {"w": whole}, {"w": cast}, BF16)["w"]
+            )
+
+        return jax.jit(jax.value_and_grad(fn))(p)
+
+    (value, grad), (value_cast, grad_cast) = through(False), through(True)
+    assert value_cast == value
+    np.testing.assert_array_equal(np.asarray(grad_cast), np.asarray(grad))
+    assert not np.array_equal(np.asarray(grad), np.asarray(grad.astype(BF16).astype(jnp.float32)))
+
+
+def _trainer(tmp_path, extra):
+    cfg = train.resolve_config([*TINY, *extra, f"workdir={tmp_path}"])
+    mesh = train.sharding.make_mesh(cfg.mesh)
+    return cfg, mesh
+
+
+def _castable(cfg, trainer, batch) -> dict:
+    """{leaf path: whether the model reads it only cast to bf16}."""
+    graphdef = nnx.split(checkpoint.abstract_model(cfg.model), nnx.Param)[0]
+    flags = gather.cast_at_every_use(
+        lambda p, b: training.loss_fn(p, graphdef, b, jax.random.key(0), 0.0),
+        (trainer.state.params, batch),
+        BF16,
+    )[0]
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(flags)}
+
+
+def test_the_models_matmul_kernels_are_read_cast_and_nothing_else(tmp_path):
+    """In the tiny Mamba / Mamba-2 LM: the projections' kernels (in_proj part by part, x_proj,
+    dt_proj, out_proj) are read only cast to bf16; what the model computes with in fp32 (A, D,
+    dt_bias, the norms' and the conv's weights) is not."""
+    cfg, mesh = _trainer(tmp_path, AT_USE)
+    with jax.set_mesh(mesh):
+        trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
+        castable = _castable(cfg, trainer, trainer.batch(next(trainer.iterator)))
+        trainer.close()
+    cast = {k for k, v in castable.items() if v}
+    assert cast and all(re.search(r"(in|x|dt|out)_proj'\]\['(kernel|bias)", k) for k in cast)
+    assert all(castable[k] for k in castable if re.search(r"(in|out)_proj'\]\['kernel", k))
+    kept = [k for k in castable if re.search(r"A_log|'D'|dt_bias|norm|conv1d", k)]
+    assert kept and not any(castable[k] for k in kept)
+
+
+def _gathers_after_partitioning(trainer, batch, tmp_path) -> collections.Counter:
+    """{(dtype, shape): count} of the all-gathers XLA's partitioner makes in the step (before the
+    CPU backend widens bf16 collectives to fp32, which GPUs do not)."""
+    lowered = trainer.step_fn.lower(trainer.state, batch)
+    dump = tmp_path / "dump"
+    options = {"xla_dump_to": str(dump), "xla_dump_hlo_pass_re": "spmd-partitioning"}
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cached program is not compiled
+    try:
+        lowered.compile(compiler_options=options)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+    (path,) = glob.glob(str(dump / "*jit_train_step*after_spmd-partitioning*"))
+    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", Path(path).read_text())
+    return collections.Counter(
+        (dtype, tuple(int(d) for d in dims.split(","))) for dtype, dims in found
+    )
+
+
+def test_the_parameters_read_cast_are_gathered_cast(tmp_path):
+    """Each parameter the update splits is gathered once as the step opens: in bf16 where the
+    model reads it only cast to bf16, else in fp32."""
+    cfg, mesh = _trainer(tmp_path, AT_USE)
+    with jax.set_mesh(mesh):
+        trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
+        batch = trainer.batch(next(trainer.iterator))
+        castable = _castable(cfg, trainer, batch)
+        gathers = _gathers_after_partitioning(trainer, batch, tmp_path)
+        split = {
+            jax.tree_util.keystr(k): leaf.shape
+            for k, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.params)
+            if not leaf.sharding.is_fully_replicated
+        }
+        trainer.close()
+    expected = collections.Counter(
+        ("bf16" if castable[k] else "f32", shape) for k, shape in split.items()
+    )
+    assert expected[("bf16", (64, 128))] > 0  # the Mamba-2 in_proj's x part among them
+    assert gathers == expected
+
+
+@pytest.mark.parametrize(
+    "dtype, layout",
+    [
+        ("bfloat16", "mesh.data=8"),
+        ("bfloat16", "mesh.data=4 mesh.seq=2"),
+    ],
+)
+def test_gathering_cast_trains_the_same(tmp_path, dtype, layout):
+    """Two steps with the parameters gathered at use (cast where read cast) end with the same
+    parameters and moments as gathering them whole at the update's end; under seq=2 in_proj's
+    kernels are read twice (the conv window's projection too), so their gradient is a sum."""
+    states = {}
+    for gather_at in ("update", "use"):
+        overrides = [*TINY, *layout.split(), "mesh.shard_optimizer=true", f"model.dtype={dtype}"]
+        overrides.append(f"mesh.param_gather={gather_at}")
+        cfg = train.resolve_config([*overrides, f"workdir={tmp_path / gather_at}"])
+        mesh = train.sharding.make_mesh(cfg.mesh)
+        with jax.set_mesh(mesh):
+            trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
+            batch = trainer.batch(next(trainer.iterator))
+            state = trainer.state
+            for _ in range(2):
+                state, _ = trainer.step_fn(state, batch)
+            states[gather_at] = jax.tree.map(np.asarray, (state.params, state.opt_state))
+            trainer.close()
+    for a, b in zip(*(jax.tree.leaves(s) for s in states.values()), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
