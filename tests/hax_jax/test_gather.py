@@ -4,7 +4,10 @@ makes of them, and the training, on the simulated CPU devices of tests/conftest.
 
 import collections
 import glob
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -14,10 +17,12 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny_runs import subprocess_xla_flags
 
 import train
 from hax_jax import checkpoint, gather, training
 
+ROOT = Path(__file__).parents[2]
 BF16 = jnp.bfloat16
 AUTO = AxisType.Auto
 TINY = ["configs/tiny.py", "model.dtype=bfloat16", "data.batch_size=8", "data.seq_len=128"]
@@ -117,23 +122,35 @@ def test_the_models_matmul_kernels_are_read_cast_and_nothing_else(tmp_path):
     assert kept and not any(castable[k] for k in kept)
 
 
-def _gathers_after_partitioning(trainer, batch, tmp_path) -> collections.Counter:
+# Compiles the step in a process of its own, without the compilation cache, dumping the HLO after
+# XLA's SPMD partitioning (a program found in a cache, on disk or in memory, is not compiled).
+_COMPILE = """
+import sys
+from pathlib import Path
+import jax
+import train
+cfg = train.resolve_config(sys.argv[1:])
+mesh = train.sharding.make_mesh(cfg.mesh)
+with jax.set_mesh(mesh):
+    trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
+    trainer.step_fn.lower(trainer.state, trainer.batch(next(trainer.iterator))).compile()
+    trainer.close()
+"""
+
+
+def _gathers_after_partitioning(overrides, tmp_path) -> collections.Counter:
     """{(dtype, shape): count} of the all-gathers XLA's partitioner makes in the step (before the
     CPU backend widens bf16 collectives to fp32, which GPUs do not)."""
-    lowered = trainer.step_fn.lower(trainer.state, batch)
     dump = tmp_path / "dump"
-    options = {"xla_dump_to": str(dump), "xla_dump_hlo_pass_re": "spmd-partitioning"}
-    cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # a cached program is not compiled
-    try:
-        lowered.compile(compiler_options=options)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
+    flags = f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    env["XLA_FLAGS"] = subprocess_xla_flags(8) + flags
+    argv = [*overrides, f"workdir={tmp_path / 'compiled'}"]
+    subprocess.run([sys.executable, "-c", _COMPILE, *argv], env=env, cwd=ROOT, check=True)
     (path,) = glob.glob(str(dump / "*jit_train_step*after_spmd-partitioning*"))
     found = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", Path(path).read_text())
-    return collections.Counter(
-        (dtype, tuple(int(d) for d in dims.split(","))) for dtype, dims in found
-    )
+    shapes = [(dtype, tuple(int(d) for d in dims.split(","))) for dtype, dims in found]
+    return collections.Counter(shapes)
 
 
 def test_the_parameters_read_cast_are_gathered_cast(tmp_path):
@@ -144,13 +161,13 @@ def test_the_parameters_read_cast_are_gathered_cast(tmp_path):
         trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
         batch = trainer.batch(next(trainer.iterator))
         castable = _castable(cfg, trainer, batch)
-        gathers = _gathers_after_partitioning(trainer, batch, tmp_path)
         split = {
             jax.tree_util.keystr(k): leaf.shape
             for k, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.params)
             if not leaf.sharding.is_fully_replicated
         }
         trainer.close()
+    gathers = _gathers_after_partitioning([*TINY, *AT_USE], tmp_path)
     expected = collections.Counter(
         ("bf16" if castable[k] else "f32", shape) for k, shape in split.items()
     )
