@@ -156,10 +156,18 @@ def joined_kernel(kernels: Mapping, biases: Mapping | None, dtype, order):
     both in `dtype`; the parts' shapes)."""
     # Each part cast before the join (the same values): a part is then read only cast, so it is
     # gathered cast under mesh.param_gather="use" (hax_jax/gather.py).
-    cast = lambda parts: {k: jnp.asarray(v).astype(dtype) for k, v in parts.items()}  # noqa: E731
-    kernel, shapes = side_by_side(cast(kernels), order, lead=1)
-    bias = None if biases is None else side_by_side(cast(biases), order, lead=0)[0]
+    kernel, shapes = side_by_side(cast_parts(kernels, dtype), order, lead=1)
+    bias = None if biases is None else side_by_side(cast_parts(biases, dtype), order, lead=0)[0]
     return kernel, bias, shapes
+
+
+def cast_parts(parts: Mapping | None, dtype) -> dict | None:
+    """{part: array in dtype} (None stays None). Cast before a shard_map that reads them, the
+    parts' gradients leave it in `dtype` too, so the sum over the devices that held the same part
+    (data, seq) moves `dtype`'s bytes, as GSPMD's own sum of a replicated matmul's kernel does."""
+    if parts is None:
+        return None
+    return {k: jnp.asarray(v).astype(dtype) for k, v in parts.items()}
 
 
 def fused_linear(x: jax.Array, kernels: Mapping, biases: Mapping | None, dtype, order):

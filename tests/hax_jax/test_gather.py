@@ -138,9 +138,10 @@ with jax.set_mesh(mesh):
 """
 
 
-def _gathers_after_partitioning(overrides, tmp_path) -> collections.Counter:
-    """{(dtype, shape): count} of the all-gathers XLA's partitioner makes in the step (before the
-    CPU backend widens bf16 collectives to fp32, which GPUs do not)."""
+def _after_partitioning(kind, overrides, tmp_path) -> collections.Counter:
+    """{(dtype, shape): count} of the arrays `kind` collectives (e.g. "all-gather") move in the
+    step as XLA's partitioner makes it (before the CPU backend widens bf16 collectives to fp32,
+    which GPUs do not)."""
     dump = tmp_path / "dump"
     flags = f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
@@ -148,8 +149,8 @@ def _gathers_after_partitioning(overrides, tmp_path) -> collections.Counter:
     argv = [*overrides, f"workdir={tmp_path / 'compiled'}"]
     subprocess.run([sys.executable, "-c", _COMPILE, *argv], env=env, cwd=ROOT, check=True)
     (path,) = glob.glob(str(dump / "*jit_train_step*after_spmd-partitioning*"))
-    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", Path(path).read_text())
-    shapes = [(dtype, tuple(int(d) for d in dims.split(","))) for dtype, dims in found]
+    found = re.findall(rf"= (\w+)\[([\d,]*)\]\S* {kind}\(", Path(path).read_text())
+    shapes = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in found]
     return collections.Counter(shapes)
 
 
@@ -167,12 +168,36 @@ def test_the_parameters_read_cast_are_gathered_cast(tmp_path):
             if not leaf.sharding.is_fully_replicated
         }
         trainer.close()
-    gathers = _gathers_after_partitioning([*TINY, *AT_USE], tmp_path)
+    gathers = _after_partitioning("all-gather", [*TINY, *AT_USE], tmp_path)
     expected = collections.Counter(
         ("bf16" if castable[k] else "f32", shape) for k, shape in split.items()
     )
     assert expected[("bf16", (64, 128))] > 0  # the Mamba-2 in_proj's x part among them
     assert gathers == expected
+
+
+def test_the_gradients_of_leaves_read_cast_are_summed_cast(tmp_path):
+    """Plain data parallelism: each device's gradient of a kernel the model reads only cast to
+    bf16 is a bf16 matmul's, and it is summed over "data" in bf16, in_proj's parts too (their
+    shard_map gets them cast, so its backward sums bf16); fp32 sums are left to the leaves the
+    model computes with in fp32."""
+    cfg, mesh = _trainer(tmp_path, ["mesh.data=8"])
+    with jax.set_mesh(mesh):
+        trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
+        castable = _castable(cfg, trainer, trainer.batch(next(trainer.iterator)))
+        shapes = {
+            jax.tree_util.keystr(k): leaf.shape
+            for k, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.params)
+        }
+        trainer.close()
+    kept = {shapes[k] for k, cast in castable.items() if not cast}
+    # A matmul's weight gradient may come out transposed.
+    cast_only = {s for k, cast in castable.items() if cast for s in (shapes[k], shapes[k][::-1])}
+    cast_only -= kept
+    sums = _after_partitioning("all-reduce", [*TINY, "mesh.data=8"], tmp_path)
+    assert sums[("bf16", shapes["['layers'][2]['mixer']['in_proj']['kernel']['x']"])] >= 4
+    assert sums[("bf16", shapes["['layers'][2]['mixer']['in_proj']['kernel']['B']"])] > 0
+    assert not {shape for dtype, shape in sums if dtype == "f32"} & cast_only
 
 
 @pytest.mark.parametrize("layout", ["mesh.data=8", "mesh.data=4 mesh.seq=2"])
