@@ -79,9 +79,12 @@ def gathered(params: dict, resting: dict, shardings: dict, castable: dict, dtype
 def _gathered_in(p, rest, sharding, dtype):
     """p gathered from `rest` to `sharding` as its cast to `dtype`, returned in p's dtype. The
     cast is held to p's own sharding: left free, XLA's partitioner gives it the gathered one and
-    gathers p before casting."""
+    gathers p before casting. The barrier keeps the round trip p -> dtype -> p's dtype whole:
+    XLA:GPU, which allows excess precision, drops such a pair of casts, and then gathered p in
+    fp32 (H200, fortieth session)."""
     cast = jax.lax.with_sharding_constraint(p.astype(dtype), rest)
-    return jax.lax.with_sharding_constraint(cast, sharding).astype(p.dtype)
+    whole = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(cast, sharding))
+    return whole.astype(p.dtype)
 
 
 def _gathered_in_fwd(p, rest, sharding, dtype):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from collectives import collectives_of
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -176,6 +177,40 @@ def test_the_parameters_read_cast_are_gathered_cast(tmp_path):
     assert gathers == expected
 
 
+@pytest.mark.gpu
+def test_the_gathers_stay_cast_on_gpus(tmp_path):
+    """On 2 GPUs, XLA:GPU's compiled step gathers the leaves read only cast in bf16 too (without
+    gather.py's barrier it dropped the casts and gathered them in fp32)."""
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg, mesh = _trainer(tmp_path, ["mesh.data=2", *AT_USE[1:]])
+    with jax.set_mesh(mesh):
+        trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
+        batch = trainer.batch(next(trainer.iterator))
+        castable = _castable(cfg, trainer, batch)
+        shapes = _shapes(trainer.state.params)
+        hlo = trainer.step_fn.lower(trainer.state, batch).compile().as_text()
+        trainer.close()
+    gathered = collections.Counter(
+        (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d))
+        for kind, result in collectives_of(hlo)
+        if kind == "all-gather"
+        for m in re.finditer(r"(\w+)\[([\d,]*)\]", result)
+    )
+    cast = {shapes[k] for k, v in castable.items() if v} - {
+        shapes[k] for k, v in castable.items() if not v
+    }
+    assert gathered[("bf16", shapes["['layers'][2]['mixer']['in_proj']['kernel']['x']"])] > 0
+    assert not {shape for dtype, shape in gathered if dtype == "f32"} & cast
+
+
+def _shapes(params) -> dict:
+    """{leaf path: shape}."""
+    return {
+        jax.tree_util.keystr(k): x.shape for k, x in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+
 def test_the_gradients_of_leaves_read_cast_are_summed_cast(tmp_path):
     """Plain data parallelism: each device's gradient of a kernel the model reads only cast to
     bf16 is a bf16 matmul's, and it is summed over "data" in bf16, in_proj's parts too (their
@@ -185,10 +220,7 @@ def test_the_gradients_of_leaves_read_cast_are_summed_cast(tmp_path):
     with jax.set_mesh(mesh):
         trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
         castable = _castable(cfg, trainer, trainer.batch(next(trainer.iterator)))
-        shapes = {
-            jax.tree_util.keystr(k): leaf.shape
-            for k, leaf in jax.tree_util.tree_leaves_with_path(trainer.state.params)
-        }
+        shapes = _shapes(trainer.state.params)
         trainer.close()
     kept = {shapes[k] for k, cast in castable.items() if not cast}
     # A matmul's weight gradient may come out transposed.
