@@ -21,6 +21,9 @@ _CAST = "convert_element_type"
 # maps over devices, loops). Anything else that reads a leaf (custom VJPs among them: their
 # backward may read it as it is) leaves it in fp32.
 _CALLS = ("jit", "pjit", "closed_call", "remat2", "checkpoint", "shard_map", "scan")
+# Calls whose outputs are their body's outputs, one to one, computed once (not a loop's carry, not
+# a device's piece of a whole): a body's input returned as it is comes out of the call unchanged.
+_PASS_THROUGH = ("jit", "pjit", "closed_call", "remat2", "checkpoint")
 
 
 def cast_at_every_use(fn, args: tuple, dtype):
@@ -36,22 +39,38 @@ def cast_at_every_use(fn, args: tuple, dtype):
 
 def _only_cast(jaxpr, var, dtype) -> bool:
     """Whether every use of `var` in `jaxpr` (and the bodies of its calls) casts it to dtype."""
-    if any(out is var for out in jaxpr.outvars):
-        return False
+    ok, returned = _uses(jaxpr, var, dtype)
+    return ok and not returned
+
+
+def _uses(jaxpr, var, dtype) -> tuple[bool, list[int]]:
+    """(whether every use of `var` in `jaxpr` but being returned casts it to dtype, the positions
+    in jaxpr's outputs where it is returned as it is)."""
+    returned = [j for j, out in enumerate(jaxpr.outvars) if out is var]
     for eqn in jaxpr.eqns:
         for i, operand in enumerate(eqn.invars):
             if operand is not var:
                 continue
             if eqn.primitive.name == _CAST:
                 if eqn.params["new_dtype"] != dtype:
-                    return False
+                    return False, returned
             elif eqn.primitive.name in _CALLS:
                 body = _body(eqn)
-                if body is None or not _only_cast(body, body.invars[i], dtype):
-                    return False
+                if body is None:
+                    return False, returned
+                ok, passed = _uses(body, body.invars[i], dtype)
+                if not ok or (passed and eqn.primitive.name not in _PASS_THROUGH):
+                    return False, returned
+                # The call hands the value back out unchanged (nnx.remat returns the module's
+                # state): the uses of that output are the leaf's too.
+                for j in passed:
+                    ok, again = _uses(jaxpr, eqn.outvars[j], dtype)
+                    if not ok:
+                        return False, returned
+                    returned += again
             else:
-                return False
-    return True
+                return False, returned
+    return True, returned
 
 
 def _body(eqn):
@@ -79,12 +98,9 @@ def gathered(params: dict, resting: dict, shardings: dict, castable: dict, dtype
 def _gathered_in(p, rest, sharding, dtype):
     """p gathered from `rest` to `sharding` as its cast to `dtype`, returned in p's dtype. The
     cast is held to p's own sharding: left free, XLA's partitioner gives it the gathered one and
-    gathers p before casting. The barrier keeps the round trip p -> dtype -> p's dtype whole:
-    XLA:GPU, which allows excess precision, drops such a pair of casts, and then gathered p in
-    fp32 (H200, fortieth session)."""
+    gathers p before casting."""
     cast = jax.lax.with_sharding_constraint(p.astype(dtype), rest)
-    whole = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(cast, sharding))
-    return whole.astype(p.dtype)
+    return jax.lax.with_sharding_constraint(cast, sharding).astype(p.dtype)
 
 
 def _gathered_in_fwd(p, rest, sharding, dtype):
