@@ -311,24 +311,34 @@ def write_rows(path: str | None, rows: list) -> None:
 
 def array_bytes(type_text: str) -> list[int]:
     """Bytes of each array in an HLO result type, e.g. "(f32[2,3]{1,0}, bf16[4]{0})", in order."""
+    return [size for _, size in typed_array_bytes(type_text)]
+
+
+def typed_array_bytes(type_text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of each array in an HLO result type, in order."""
     sizes = []
     for dtype, dims in _ARRAY.findall(re.sub(r"\{.*?\}", "", type_text)):
         size = 1
         for d in filter(None, dims.split(",")):
             size *= int(d)
         bits = 8 if dtype == "pred" else int(_BITS.search(dtype).group())
-        sizes.append(size * bits // 8)
+        sizes.append((dtype, size * bits // 8))
     return sizes
 
 
-def collectives_by_kind(hlo: str) -> dict[str, tuple[int, int]]:
-    """{kind: (count, bytes of their results)} of the collectives in optimized HLO text."""
-    totals = collections.defaultdict(lambda: [0, 0])
+def collectives_by_kind(hlo: str) -> dict[str, tuple[int, int, dict[str, int]]]:
+    """{kind: (count, bytes of their results, {dtype: bytes})} of the collectives in optimized
+    HLO text."""
+    totals = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     for match in _COLLECTIVE.finditer(hlo):
         kind = match.group(2)
         totals[kind][0] += 1
-        totals[kind][1] += sum(array_bytes(match.group(1)))
-    return {kind: (count, size) for kind, (count, size) in sorted(totals.items())}
+        for dtype, size in typed_array_bytes(match.group(1)):
+            totals[kind][1] += size
+            totals[kind][2][dtype] += size
+    return {
+        kind: (n, size, dict(sorted(by.items()))) for kind, (n, size, by) in sorted(totals.items())
+    }
 
 
 def ascending_ints(text: str, flag: str) -> list[int]:
@@ -381,11 +391,13 @@ def parse_config(text):
 
 
 def print_compiled_account(name: str, extra, compiled, hlo: str) -> None:
-    """Prints a compiled train step's collectives by kind (count, MiB a step) and XLA's own account
-    of one device's buffers (the allocator's peak also holds what compiling and autotuning took)."""
+    """Prints a compiled train step's collectives by kind (count, MiB a step, MiB by dtype) and
+    XLA's own account of one device's buffers (the allocator's peak also holds what compiling and
+    autotuning took)."""
     print(f"collectives of one {name} step ({' '.join(extra)}):")
-    for kind, (count, size) in collectives_by_kind(hlo).items():
-        print(f"  {kind:20s} {count:5d}  {size / 2**20:10.2f} MiB")
+    for kind, (count, size, by_dtype) in collectives_by_kind(hlo).items():
+        dtypes = ", ".join(f"{dtype} {n / 2**20:.2f}" for dtype, n in by_dtype.items())
+        print(f"  {kind:20s} {count:5d}  {size / 2**20:10.2f} MiB  ({dtypes})")
     memory = compiled.memory_analysis()
     if memory is not None:
         sizes = {

@@ -78,3 +78,19 @@ def test_layer_timeline_on_a_hand_made_trace():
     ]
     with pytest.raises(ValueError, match="3 kernels named nope"):
         timing.layer_timeline_us(_trace([_event(0, 1, "nope")] * 3), "nope", layers=2, layer=0)
+
+
+def test_collectives_by_kind_counts_bytes_by_dtype():
+    """`--collectives`' account on hand-made optimized HLO: an async collective counted once, at its
+    done, a joined one by each of its arrays, bytes split by dtype."""
+    hlo = """
+  %ars = (bf16[8,4]{1,0}, f32[4]{0}) all-reduce-start(bf16[8,4]{1,0} %a, f32[4]{0} %b)
+  %ard = (bf16[8,4]{1,0}, f32[4]{0}) all-reduce-done((bf16[8,4]{1,0}, f32[4]{0}) %ars)
+  %ags = (bf16[2,4]{1,0}, bf16[4,4]{1,0}) all-gather-start(bf16[2,4]{1,0} %c), dimensions={0}
+  %agd = bf16[4,4]{1,0} all-gather-done((bf16[2,4]{1,0}, bf16[4,4]{1,0}) %ags)
+  %ag = f32[6]{0} all-gather(f32[3]{0} %d), dimensions={0}
+"""
+    assert timing.collectives_by_kind(hlo) == {
+        "all-gather": (2, 32 + 24, {"bf16": 32, "f32": 24}),
+        "all-reduce": (1, 64 + 16, {"bf16": 64, "f32": 16}),
+    }
