@@ -32,6 +32,9 @@
 #        seq_ab    Mamba-2 130M 1 x 32768, one GPU and seq=2, for this tree and for the commits
 #                  BASE="REV [REV...]" (git worktrees in /tmp/hax_base_REV): one GPU for this tree
 #                  and the first REV side by side, then seq=2 for each
+#        dp_ab     Mamba-2 130M 8 x 2048 a GPU, one GPU for this tree, then data=2 for this tree and
+#                  for each commit of BASE="REV [REV...]" (as seq_ab), then the data=2 rows again in
+#                  the same order from the compilation cache (the spread between the rounds)
 #        seq_hax_ab  HAX-Mamba-2 130M 1 x 65536 (24 blocks) on seq=2 for this tree and for BASE="REV
 #                  [REV...]" (as seq_ab), 20 steps timed, then profiled: the timed step beside
 #                  the profile's span; every tree ROUNDS times (default 2), in turn (about 4 minutes a
@@ -81,7 +84,7 @@
 # /tmp/hax_jax_cache) for the phases after.
 set -uo pipefail
 phases="dp, dp_tp, dp_flags, dp_combine, seq, seq_profile, seq_memory, gather_seq, gather_dp, seq_p2p, seq_latency"
-phases+=", seq_ab, seq_hax_ab"
+phases+=", seq_ab, dp_ab, seq_hax_ab"
 phases+=", seq_hax, hax_64k, hax_64k_apart, hax_sched, pgle_seq"
 phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, threshold, graphs, procs"
 phase=${1:?phase: one of $phases}
@@ -132,7 +135,7 @@ data_parallel() {  # one GPU and data=2 at 8 x 2048 a GPU (the dp and dp_tp phas
         --set mesh.data=2 mesh.shard_optimizer=true data.batch_size=16
 }
 
-if [[ $phase == seq_ab || $phase == seq_hax_ab ]]; then
+if [[ $phase == seq_ab || $phase == dp_ab || $phase == seq_hax_ab ]]; then
     bases=(${BASE:?BASE=REV [REV...]: the commits to compare with})
     for rev in "${bases[@]}"; do  # a machine's copy of the repository may predate the session's commits
         if ! git rev-parse --verify -q "$rev^{commit}" >/dev/null; then
@@ -255,6 +258,17 @@ seq_ab)
     for rev in "${bases[@]}"; do
         run "seq2_32k_$rev" 150 $(base_tp "$rev") --cases lm_mamba2_130m_32k $steps --collectives \
             --set $seq2
+    done
+    ;;
+dp_ab)
+    two="mesh.data=2 data.batch_size=16"
+    gpu 0 run one_gpu_130m 130 $tp --cases lm_mamba2_130m $steps
+    for round in 1 2; do  # the second round from the compilation cache
+        run "data2_130m_r$round" 130 $tp --cases lm_mamba2_130m $steps --collectives --set $two
+        for rev in "${bases[@]}"; do
+            run "data2_130m_${rev}_r$round" 130 $(base_tp "$rev") --cases lm_mamba2_130m $steps \
+                --collectives --set $two
+        done
     done
     ;;
 seq_hax_ab)
