@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from hax_jax.config import DEFAULT_CAPACITY, SCAN_STATES_SHARE, ModelConfig
 from hax_jax.layers import SCAN_IO, init
 from hax_jax.layers.conv import CausalConv1d, conv_shard
-from hax_jax.layers.fused import FusedLinear, Part, cast_parts, fused_linear
+from hax_jax.layers.fused import FusedLinear, Part, fused_linear
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
 from hax_jax.parallel import per_device, selective_scan_sequence_parallel, seq_shards
 from hax_jax.sharding import current_mesh
@@ -122,7 +122,7 @@ class MambaMixer(nnx.Module):
         # sums the input's gradient over "tensor" once (per part, GSPMD would all-reduce each).
         # Cast here, not inside: their gradients are summed over "data" and "seq" in the compute
         # dtype (as Mamba2Mixer's).
-        in_kernels, in_biases = (cast_parts(a, self.dtype) for a in self.in_proj.arrays())
+        in_kernels, in_biases = self.in_proj.arrays(self.dtype)
         conv = self.conv1d
         # Channels whole on every device: the gate goes on as in_proj's whole output [x | z],
         # which the scan's kernels read in place (a slice would be copied for them, and kept for

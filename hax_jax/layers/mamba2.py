@@ -15,7 +15,6 @@ from hax_jax.layers.fused import (
     FusedConv1d,
     FusedLinear,
     Part,
-    cast_parts,
     conv_joined,
     fuse,
     fused_linear,
@@ -154,7 +153,7 @@ class Mamba2Mixer(nnx.Module):
         }
         # Cast here, not inside: the kernels' gradients are then summed over "data" and "seq" in
         # the compute dtype (bf16: half the bytes; each device's is a bf16 matmul's either way).
-        in_kernels, in_biases = (cast_parts(a, self.dtype) for a in self.in_proj.arrays())
+        in_kernels, in_biases = self.in_proj.arrays(self.dtype)
         conv_kernels, conv_biases = self.conv1d.arrays()
         xbc = {k: part_axes[k] for k in ("x", "B", "C")}
         # Heads whole on every device: the gate goes out as in_proj's whole output, whose first
