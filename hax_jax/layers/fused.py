@@ -157,7 +157,7 @@ def apart(joined: jax.Array, order: Sequence[str], shapes) -> dict[str, jax.Arra
 
 def joined_kernel(kernels: Mapping, biases: Mapping | None, dtype, order):
     """(the kernels (in, *shape) joined in `order` as (in, total), the biases as (total,) or None,
-    both in `dtype`; the parts' shapes)."""
+    both in `dtype` (None: as they are); the parts' shapes)."""
     # Each part cast before the join (the same values): a part is then read only cast, so it is
     # gathered cast under mesh.param_gather="use" (hax_jax/gather.py).
     kernel, shapes = side_by_side(cast_parts(kernels, dtype), order, lead=1)
@@ -165,12 +165,50 @@ def joined_kernel(kernels: Mapping, biases: Mapping | None, dtype, order):
     return kernel, bias, shapes
 
 
+JOINED = "joined"  # the one key of `for_shard_map`'s kernels when it joins the parts
+
+
+class ShardMapKernels(NamedTuple):
+    """A fused layer's kernels for a shard_map that projects with them (`for_shard_map`)."""
+
+    kernels: dict
+    biases: dict | None
+    kernel_axes: dict
+    bias_axes: dict
+    order: list[str]
+
+
+def for_shard_map(layer, dtype, axes: Mapping, *, join: bool) -> ShardMapKernels:
+    """A FusedLinear's or FusedConv1d's kernels (and biases) for a shard_map that computes with
+    them (fused_linear, conv_joined with `order`), with the logical axes of their channels `axes`
+    {part: axes}. Each part is cast to `dtype` here (None: kept as it is), so the shard_map's
+    backward sums their gradients over the devices that hold them whole ("data", "seq") in
+    `dtype`. With `join` (no part split on the mesh) the parts are joined here too, along their
+    channels: that sum is then one contiguous array a layer, where a sum a part is copied by XLA
+    into one buffer with the others and sliced back out (and the joined kernel's gradient sliced
+    into the parts before it)."""
+    kernels, biases = (cast_parts(a, dtype) for a in layer.arrays())
+    order = [p.name for p in layer.parts]
+    if not join:
+        kernel_axes = {k: (None, *axes[k]) for k in order}
+        return ShardMapKernels(kernels, biases, kernel_axes, dict(axes), order)
+    kernel, bias, _ = joined_kernel(kernels, biases, dtype, order)
+    return ShardMapKernels(
+        {JOINED: kernel},
+        None if bias is None else {JOINED: bias},
+        {JOINED: (None, None)},
+        {JOINED: (None,)},
+        [JOINED],
+    )
+
+
 def cast_parts(parts: Mapping | None, dtype) -> dict | None:
-    """{part: array in dtype} (None stays None). Cast before a shard_map that reads them, the
-    parts' gradients leave it in `dtype` too, so the sum over the devices that held the same part
-    (data, seq) moves `dtype`'s bytes, as GSPMD's own sum of a replicated matmul's kernel does."""
-    if parts is None:
-        return None
+    """{part: array in dtype} (None stays None; dtype None keeps the arrays). Cast before a
+    shard_map that reads them, the parts' gradients leave it in `dtype` too, so the sum over the
+    devices that held the same part (data, seq) moves `dtype`'s bytes, as GSPMD's own sum of a
+    replicated matmul's kernel does."""
+    if parts is None or dtype is None:
+        return None if parts is None else dict(parts)
     return {k: jnp.asarray(v).astype(dtype) for k, v in parts.items()}
 
 
@@ -301,13 +339,17 @@ def conv_joined(
     silu=False,
     start=0,
     impl="auto",
+    parts=None,
 ):
     """`conv_parts` on the parts already side by side in x (b, l, >= start + total) from channel
     `start`, e.g. a fused projection's whole output (read in place): -> (ys {part: (b, l,
     *shape)}, new states per part). `previous`: as `conv_shard`'s, joined the same way; `silu`
-    and `impl` as its."""
+    and `impl` as its. Kernels and biases joined already (for_shard_map's `order` [JOINED]) are
+    cut into `parts` (a sequence of Part) on the way out."""
     kernel, shapes = side_by_side(kernels, order, lead=1)
     bias = None if biases is None else side_by_side(biases, order, lead=0)[0]
+    if parts is not None:
+        order, shapes = [p.name for p in parts], [p.shape for p in parts]
     # Joined once and read: left to XLA, the join was fused into the conv's elementwise loops and
     # redone for every element (H200, HAX 64K: such loops took 1.2x the time per element of one
     # that read the joined kernel; on seq=2 the conv's own loop was one of them).

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from hax_jax.config import DEFAULT_CAPACITY, SCAN_STATES_SHARE, ModelConfig
 from hax_jax.layers import SCAN_IO, init
 from hax_jax.layers.conv import CausalConv1d, conv_shard
-from hax_jax.layers.fused import FusedLinear, Part, fused_linear
+from hax_jax.layers.fused import FusedLinear, Part, for_shard_map, fused_linear
 from hax_jax.layers.hax_attention import SparseAttentionCache, sparse_branch
 from hax_jax.parallel import per_device, selective_scan_sequence_parallel, seq_shards
 from hax_jax.sharding import current_mesh
@@ -120,9 +120,6 @@ class MambaMixer(nnx.Module):
             )
         # in_proj and the conv in one shard_map: each device's x and z are local, and the backward
         # sums the input's gradient over "tensor" once (per part, GSPMD would all-reduce each).
-        # Cast here, not inside: their gradients are summed over "data" and "seq" in the compute
-        # dtype (as Mamba2Mixer's).
-        in_kernels, in_biases = self.in_proj.arrays(self.dtype)
         conv = self.conv1d
         # Channels whole on every device: the gate goes on as in_proj's whole output [x | z],
         # which the scan's kernels read in place (a slice would be copied for them, and kept for
@@ -130,22 +127,29 @@ class MambaMixer(nnx.Module):
         mesh = current_mesh()
         whole = mesh is None or dict(mesh.shape).get("tensor", 1) == 1
         gate = ("batch", "seq", None) if whole else ("batch", "seq", "inner")
+        # Cast (and with channels whole, joined) here, not inside: fused.for_shard_map says why.
+        axes = {"x": ("inner",), "z": ("inner",)}
+        proj = for_shard_map(self.in_proj, self.dtype, axes, join=whole)
         x, z, conv_state = per_device(
             functools.partial(
-                _front_shard, dtype=self.dtype, conv_impl=conv.impl, whole_gate=whole
+                _front_shard,
+                dtype=self.dtype,
+                conv_impl=conv.impl,
+                whole_gate=whole,
+                order=proj.order,
             ),
             dict(
                 u=u,
-                in_kernels=in_kernels,
-                in_biases=in_biases,
+                in_kernels=proj.kernels,
+                in_biases=proj.biases,
                 conv_kernel=conv.kernel[...],
                 conv_bias=None if conv.bias is None else conv.bias[...],
                 conv_state=None if cache is None else cache.conv,  # None: zeros, made per shard
             ),
             dict(
                 u=("batch", "seq", None),
-                in_kernels={"x": (None, "inner"), "z": (None, "inner")},
-                in_biases={"x": ("inner",), "z": ("inner",)},
+                in_kernels=proj.kernel_axes,
+                in_biases=proj.bias_axes,
                 conv_kernel=(None, "inner"),
                 conv_bias=("inner",),
                 conv_state=("batch", None, "inner"),
@@ -218,18 +222,30 @@ class MambaMixer(nnx.Module):
 
 
 def _front_shard(
-    u, in_kernels, in_biases, conv_kernel, conv_bias, conv_state, *, dtype, conv_impl, whole_gate
+    u,
+    in_kernels,
+    in_biases,
+    conv_kernel,
+    conv_bias,
+    conv_state,
+    *,
+    dtype,
+    conv_impl,
+    whole_gate,
+    order,
 ):
     """in_proj and conv + SiLU of one device's rows and channels (or of everything, outside
     shard_map): -> (x post-conv (b, l, e), z (b, l, e) (with `whole_gate` in_proj's whole output
-    [x | z] (b, l, 2e)), the conv's new state)."""
-    xz, shapes = fused_linear(u, in_kernels, in_biases, dtype, ("x", "z"))
+    [x | z] (b, l, 2e)), the conv's new state). in_kernels / in_biases and `order` as
+    fused.for_shard_map gives them."""
+    xz, _ = fused_linear(u, in_kernels, in_biases, dtype, order)
     xz = checkpoint_name(xz, SCAN_IO)
+    e = xz.shape[-1] // 2  # x and z are alike wide
     # The conv reads x in place in in_proj's output (its first channels).
     x, new_state = conv_shard(
         xz, conv_kernel, conv_bias, conv_state, None, silu=True, impl=conv_impl
     )
-    return x, xz if whole_gate else xz[..., shapes[0][0] :], new_state
+    return x, xz if whole_gate else xz[..., e:], new_state
 
 
 def _scan_shard(x, dt, A, B, C, D, z, initial_state, *, impl, states, layers, z_start):

@@ -12,10 +12,12 @@ from jax.ad_checkpoint import checkpoint_name
 from hax_jax.config import DEFAULT_CAPACITY, ModelConfig
 from hax_jax.layers import SCAN_IO
 from hax_jax.layers.fused import (
+    JOINED,
     FusedConv1d,
     FusedLinear,
     Part,
     conv_joined,
+    for_shard_map,
     fuse,
     fused_linear,
     unfuse,
@@ -151,11 +153,10 @@ class Mamba2Mixer(nnx.Module):
             "C": (groups, None),
             "dt": (heads,),
         }
-        # Cast here, not inside: the kernels' gradients are then summed over "data" and "seq" in
-        # the compute dtype (bf16: half the bytes; each device's is a bf16 matmul's either way).
-        in_kernels, in_biases = self.in_proj.arrays(self.dtype)
-        conv_kernels, conv_biases = self.conv1d.arrays()
-        xbc = {k: part_axes[k] for k in ("x", "B", "C")}
+        # Cast (and with heads whole, joined) here, not inside: fused.for_shard_map says why.
+        proj = for_shard_map(self.in_proj, self.dtype, part_axes, join=inner is None)
+        xbc = {k: part_axes[k] for k in XBC}
+        conv = for_shard_map(self.conv1d, None, xbc, join=inner is None)
         # Heads whole on every device: the gate goes out as in_proj's whole output, whose first
         # channels the norm's kernels read in place (a slice would be copied for them, and kept
         # for the backward beside that output, which the conv's backward keeps).
@@ -165,32 +166,31 @@ class Mamba2Mixer(nnx.Module):
             chunk_size=self.chunk_size,
             impl=self.ssd_impl,
             whole_gate=inner is None,
+            order=proj.order,
+            conv_order=conv.order,
         )
         y, z, x, ssm_state, *conv_states = per_device(
             front,
             dict(
                 u=u,
-                in_kernels=in_kernels,
-                in_biases=in_biases,
-                conv_kernels=conv_kernels,
-                conv_biases=conv_biases,
+                in_kernels=proj.kernels,
+                in_biases=proj.biases,
+                conv_kernels=conv.kernels,
+                conv_biases=conv.biases,
                 conv_states=None if cache is None else unfuse(cache.conv, self.conv1d.parts),
-                dt_bias=self.dt_bias[...],
-                A=-jnp.exp(self.A_log[...]),
-                D=self.D[...],
+                # One array: its gradient is then one sum over "data" and "seq", not three.
+                per_head=jnp.stack([self.dt_bias[...], -jnp.exp(self.A_log[...]), self.D[...]]),
                 initial_state=None if cache is None else cache.ssm,
                 seq_idx=seq_idx,
             ),
             dict(
                 u=("batch", "seq", None),
-                in_kernels={k: (None, *v) for k, v in part_axes.items()},
-                in_biases=part_axes,
-                conv_kernels={k: (None, *v) for k, v in xbc.items()},
-                conv_biases=xbc,
+                in_kernels=proj.kernel_axes,
+                in_biases=proj.bias_axes,
+                conv_kernels=conv.kernel_axes,
+                conv_biases=conv.bias_axes,
                 conv_states={k: ("batch", None, *v) for k, v in xbc.items()},
-                dt_bias=(heads,),
-                A=(heads,),
-                D=(heads,),
+                per_head=(None, heads),
                 initial_state=("batch", heads, None, None),
                 seq_idx=("batch", "seq"),
             ),
@@ -248,9 +248,7 @@ def _front_shard(
     conv_kernels,
     conv_biases,
     conv_states,
-    dt_bias,
-    A,
-    D,
+    per_head,
     initial_state,
     seq_idx,
     *,
@@ -258,23 +256,25 @@ def _front_shard(
     chunk_size: int,
     impl: str,
     whole_gate: bool,
+    order: list[str],
+    conv_order: list[str],
 ):
     """in_proj, conv + SiLU and the SSD of one device's rows, heads and groups (or of everything,
     outside shard_map): -> (y (b, l, h, p), z (b, l, e) (with `whole_gate` in_proj's whole output
     (b, l, >= e), z its first e channels), x (b, l, e) post-conv, final SSM state, *the conv's new
-    state per part)."""
+    state per part). in_kernels / in_biases and `order`, conv_kernels / conv_biases and
+    `conv_order` as fused.for_shard_map gives them; per_head (3, h): dt_bias, A and D."""
     # One GEMM and contiguous slices, as the fused layer: [z | x | B | C | dt] (local parts).
     project = functools.partial(
-        fused_linear,
-        kernels=in_kernels,
-        biases=in_biases,
-        dtype=mixer.dtype,
-        order=[p.name for p in mixer.in_proj.parts],
+        fused_linear, kernels=in_kernels, biases=in_biases, dtype=mixer.dtype, order=order
     )
     zxbcdt, shapes = project(u)
+    if order == [JOINED]:  # joined whole: the parts' own shapes
+        shapes = [p.shape for p in mixer.in_proj.parts]
     zxbcdt = checkpoint_name(zxbcdt, SCAN_IO)
     e, conv_dim = shapes[0][0], sum(math.prod(s) for s in shapes[1:4])
     z, _, dt = jnp.split(zxbcdt, [e, e + conv_dim], axis=-1)
+    dt_bias, A, D = per_head  # (h,) each
     dt = jax.nn.softplus(dt.astype(jnp.float32) + dt_bias)
     previous = None
     if seq_shards() > 1:
@@ -292,11 +292,12 @@ def _front_shard(
         conv_biases,
         conv_states,
         seq_idx,
-        XBC,
+        conv_order,
         previous,
         silu=True,
         start=e,
         impl=mixer.conv1d.impl,
+        parts=mixer.conv1d.parts if conv_order == [JOINED] else None,
     )
     x, B, C = xBC.values()
     x_blhp = x.reshape(*x.shape[:-1], -1, mixer.headdim)

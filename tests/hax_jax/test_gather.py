@@ -4,6 +4,7 @@ makes of them, and the training, on the simulated CPU devices of tests/conftest.
 
 import collections
 import glob
+import math
 import os
 import re
 import subprocess
@@ -231,8 +232,8 @@ def _cast_only(castable: dict, shapes: dict, *, transposed=False) -> set:
 def test_the_gradients_of_leaves_read_cast_are_summed_cast(tmp_path):
     """Plain data parallelism: each device's gradient of a kernel the model reads only cast to
     bf16 is a bf16 matmul's, and it is summed over "data" in bf16, in_proj's parts too (their
-    shard_map gets them cast, so its backward sums bf16); fp32 sums are left to the leaves the
-    model computes with in fp32."""
+    shard_map gets them cast and joined, so its backward sums one bf16 array a layer); fp32 sums
+    are left to the leaves the model computes with in fp32."""
     cfg, mesh = _trainer(tmp_path, ["mesh.data=8"])
     with jax.set_mesh(mesh):
         trainer = train.Trainer(cfg, Path(cfg.workdir), mesh)
@@ -240,8 +241,16 @@ def test_the_gradients_of_leaves_read_cast_are_summed_cast(tmp_path):
         shapes = _shapes(trainer.state.params)
         trainer.close()
     sums = _after_partitioning("all-reduce", [*TINY, "mesh.data=8"], tmp_path)
-    assert sums[("bf16", shapes["['layers'][2]['mixer']['in_proj']['kernel']['x']"])] >= 4
-    assert sums[("bf16", shapes["['layers'][2]['mixer']['in_proj']['kernel']['B']"])] > 0
+
+    def joined(layer):
+        """(d_model, the channels of in_proj's parts side by side) of a layer."""
+        prefix = f"['layers'][{layer}]['mixer']['in_proj']['kernel']"
+        parts = [shape for k, shape in shapes.items() if k.startswith(prefix)]
+        return parts[0][0], sum(math.prod(shape[1:]) for shape in parts)
+
+    assert cfg.model.mixer_kinds[1:3] == ("mamba", "mamba2")
+    assert sums[("bf16", joined(1))] > 0 and sums[("bf16", joined(2))] > 0
+    assert sums[("bf16", shapes["['layers'][2]['mixer']['in_proj']['kernel']['B']"])] == 0
     f32 = {shape for dtype, shape in sums if dtype == "f32"}
     assert not f32 & _cast_only(castable, shapes, transposed=True)
 
