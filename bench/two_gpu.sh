@@ -50,6 +50,9 @@
 #                  (from the compilation cache): about 8 minutes;  hax_64k_apart: seq=2 with XLA's
 #                  collective-permutes never joined, then one GPU and seq=2 as compiled again (from
 #                  the compilation cache when hax_64k ran on the same machine just before)
+#        hax_memory  HAX-Mamba-2 130M 1 x 65536 (24 blocks) on seq=2, 3 steps timed, XLA's memory
+#                  account and optimized HLO (for bench/hlo_liveness.py): the collectives joined up
+#                  to a block (the default) and never (mesh.combine_collectives=off); about 8 minutes
 #        hax_sched HAX-Mamba-2 130M 1 x 65536 on seq=2 (LAYERS=N blocks, default 4), profiled: as
 #                  compiled, with XLA's collective-permutes never joined, and under XLA's
 #                  latency-hiding scheduler
@@ -85,7 +88,7 @@
 set -uo pipefail
 phases="dp, dp_tp, dp_flags, dp_combine, seq, seq_profile, seq_memory, gather_seq, gather_dp, seq_p2p, seq_latency"
 phases+=", seq_ab, dp_ab, seq_hax_ab"
-phases+=", seq_hax, hax_64k, hax_64k_apart, hax_sched, pgle_seq"
+phases+=", seq_hax, hax_64k, hax_64k_apart, hax_memory, hax_sched, pgle_seq"
 phases+=", pgle_dp, nccl_dp, jr, big_one, tp_2_7b, tp_1_3b, threshold, graphs, procs"
 phase=${1:?phase: one of $phases}
 out=${2:?output directory}
@@ -313,6 +316,15 @@ hax_64k_apart)
         run seq2_hax_64k_permutes_apart 330 $tp $hax_64k --set $seq2
     gpu 0 run one_gpu_hax_64k_again 250 $tp $hax_64k
     run seq2_hax_64k_again 330 $tp $hax_64k --set $seq2
+    ;;
+hax_memory)
+    # The 24-block seq=2 step peaked at 17.6 GiB a GPU against 10.8 on one GPU (forty-first
+    # session; 11.9 against 11.5 in the twentieth), while with 4 blocks XLA's temporaries fell.
+    mem="--cases lm_hax_mamba2_130m_64k --steps 3 --no-e2e --collectives"
+    for combine in auto off; do
+        run "seq2_hax_64k_combine_$combine" 280 $tp $mem --hlo-dir "$out/hlo_$combine" \
+            --set $seq2 "mesh.combine_collectives=$combine"
+    done
     ;;
 hax_sched)
     # In each block's backward the first shard waits for the second (SendRecv exposed 1.21 ms of a
