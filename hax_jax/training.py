@@ -262,9 +262,10 @@ def step_compiler_options(mesh_cfg, mesh, abstract_params=None, param_shardings=
 
 
 def largest_block_bytes(abstract_params, param_shardings: dict) -> int:
-    """Bytes of the largest residual block's parameters on one device as "tensor" splits them (=
-    its gradients' before their reduction over "data" and "seq", which fsdp's split follows);
-    0 without blocks."""
+    """Bytes of the largest residual block's parameters on one device as "tensor" splits them
+    (fsdp's split follows the reduction over "data" and "seq"), in the parameters' dtype; 0
+    without blocks. A bf16 model's projection kernels are read only cast, and their gradients
+    are summed in bf16 (half these bytes), so a joined sum holds up to about two blocks'."""
     per_block = collections.Counter()
 
     def add(path, leaf, named):
