@@ -14,9 +14,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from hax_jax.config import LOGITS_BUDGET
-from hax_jax.sharding import current_mesh, logical_to_spec, shard
+from hax_jax.sharding import current_mesh, logical_to_spec, shard, split_axes
 
 
 def token_nll(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -133,7 +134,10 @@ def weighted_nll(
     gradients, (b, l, d) for h and one sum for the head's parameters, which the backward scales by
     the loss's cotangent: no logits are kept for the backward (as autodiff of whole rows keeps
     them) nor recomputed in it (as `token_nll_chunked`'s checkpointed chunks are). The same
-    matmuls as autodiff's, in the forward.
+    matmuls as autodiff's, in the forward. Where a mesh splits the rows or positions, each device
+    adds up its own part of the head's gradient over the chunks and the parts are summed over the
+    devices once, after the chunks, in h's dtype (GSPMD would sum each chunk's inside the loop:
+    at 1M tokens on seq=2, 64 sums of the whole table a step instead of one).
 
     Args:
       h: (b, l, d) final hidden states (LanguageModel.hidden).
@@ -154,6 +158,8 @@ def _weighted_nll(head, n_chunks, h, labels, weights, head_params):
 def _weighted_nll_fwd(head, n_chunks, h, labels, weights, head_params):
     l = h.shape[1]
     h_cbmd, (labels_cbm, weights_cbm) = _to_chunks(h, (labels, weights), n_chunks)
+    # One chunk: GSPMD's sum of its gradient inside the loop runs once anyway.
+    split = _device_split(h_cbmd.shape[1:]) if n_chunks > 1 else None
 
     def one_chunk(d_params, args):
         """Adds the chunk's head-parameter gradient; (weighted sum, argmax, h's gradient)."""
@@ -166,13 +172,24 @@ def _weighted_nll_fwd(head, n_chunks, h, labels, weights, head_params):
         one_hot = jax.nn.one_hot(labels_bm, logits.shape[-1], dtype=logits.dtype)
         d_logits = weights_bm[..., None] * (jax.nn.softmax(logits) - one_hot)
         d_params_chunk, d_h = pull(d_logits)
+        if split is not None:  # pull's (summed over the devices) is then unused
+            d_params_chunk = _per_device_grads(head, head_params, h_bmd, d_logits, split)
         d_params = jax.tree.map(jnp.add, d_params, d_params_chunk)
         return d_params, (jnp.sum(weights_bm * nll), jnp.argmax(logits, -1), d_h)
 
     zeros = jax.tree.map(jnp.zeros_like, head_params)
+    if split is not None:  # one sum a device
+        shape = lambda p: (split[1] * split[2], *p.shape)  # noqa: E731
+        zeros = jax.tree.map(lambda p: _stacked(jnp.zeros(shape(p), p.dtype), split[0]), zeros)
     d_params, (sums, pred_cbm, d_h_cbmd) = jax.lax.scan(
         one_chunk, zeros, (h_cbmd, labels_cbm, weights_cbm)
     )
+    if split is not None:
+        # One sum over the devices, after the chunks and in the compute dtype (h's), as each
+        # device's matmul made its part; GSPMD summed each chunk's inside the scan before.
+        d_params = jax.tree.map(
+            lambda d, p: _sum_over_devices(d, h.dtype).astype(p.dtype), d_params, head_params
+        )
     outputs = (jnp.sum(sums), _from_chunks(pred_cbm, l))
     return outputs, (_from_chunks(d_h_cbmd, l), d_params)
 
@@ -185,3 +202,54 @@ def _weighted_nll_bwd(head, n_chunks, residuals, cotangents):
 
 
 _weighted_nll.defvjp(_weighted_nll_fwd, _weighted_nll_bwd)
+
+
+def _device_split(shape_bmd) -> tuple[tuple[str, ...], int, int] | None:
+    """(the mesh axes that split a chunk's rows and positions, rows' shards, positions'
+    shards) where the mesh splits either (as `shard` lays h out), else None."""
+    mesh = current_mesh()
+    if mesh is None:
+        return None
+    batch, seq, _ = logical_to_spec(("batch", "seq", "embed"), shape_bmd, mesh)
+    sizes = dict(mesh.shape)
+    rows, positions = split_axes(batch, sizes), split_axes(seq, sizes)
+    if not rows + positions:
+        return None
+    count = lambda axes: math.prod(sizes[a] for a in axes)  # noqa: E731
+    return rows + positions, count(rows), count(positions)
+
+
+def _per_device_grads(head, head_params, h_bmd, d_logits, split) -> dict:
+    """The head's parameter gradient from each device's own rows and positions of a chunk,
+    stacked (devices, *shape) with device g's at index g: nothing is summed across devices, so
+    the scan can add the chunks up on each device and sum over the devices once after it."""
+    axes, rows, positions = split
+    mesh = current_mesh()
+
+    def by_device(x, name):
+        """(b, m, w) -> (devices, b / rows, m / positions, w): each device's block in place."""
+        b, m = x.shape[:2]
+        tail = logical_to_spec(("batch", "seq", name), x.shape, mesh)[2]
+        x = x.reshape(rows, b // rows, positions, m // positions, x.shape[2]).swapaxes(1, 2)
+        x = x.reshape(rows * positions, b // rows, m // positions, x.shape[-1])
+        return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, None, None, tail))
+
+    def one(h_g, d_logits_g):
+        return jax.vjp(lambda p: head(p, h_g), head_params)[1](d_logits_g)[0]
+
+    grads = jax.vmap(one)(by_device(h_bmd, "embed"), by_device(d_logits, "vocab"))
+    return jax.tree.map(lambda g: _stacked(g, axes), grads)
+
+
+def _sum_over_devices(x: jax.Array, dtype) -> jax.Array:
+    """x (devices, ...) summed over its first axis in `dtype` (jnp.sum would widen bf16 to fp32
+    for the sum, and the devices would exchange fp32)."""
+    x = x.astype(dtype)
+    return jax.lax.reduce(x, jnp.zeros((), dtype), jax.lax.add, (0,))
+
+
+def _stacked(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """x (devices, ...) with its first axis split over the mesh `axes` (the rest as GSPMD
+    chooses)."""
+    rest = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *rest))
