@@ -93,13 +93,9 @@ class FusedLinear(nnx.Module):
         self.dtype = dtype
         self.decoding = nnx.data(None)  # `decode_copy()` once generate gave it one
 
-    def arrays(self, dtype=None) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
-        """The parts' kernels and biases (None without bias), as dicts of arrays, each cast to
-        `dtype` if given (`cast_parts` says why a shard_map wants them cast)."""
-        kernels, biases = part_arrays(self)
-        if dtype is None:
-            return kernels, biases
-        return cast_parts(kernels, dtype), cast_parts(biases, dtype)
+    def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array] | None]:
+        """The parts' kernels and biases (None without bias), as dicts of arrays."""
+        return part_arrays(self)
 
     def decode_copy(self) -> tuple[jax.Array, jax.Array | None]:
         """(the parts' kernels joined (in, total) and stored rows first (total, in), the biases
