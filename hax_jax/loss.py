@@ -177,10 +177,13 @@ def _weighted_nll_fwd(head, n_chunks, h, labels, weights, head_params):
         d_params = jax.tree.map(jnp.add, d_params, d_params_chunk)
         return d_params, (jnp.sum(weights_bm * nll), jnp.argmax(logits, -1), d_h)
 
-    zeros = jax.tree.map(jnp.zeros_like, head_params)
-    if split is not None:  # one sum a device
-        shape = lambda p: (split[1] * split[2], *p.shape)  # noqa: E731
-        zeros = jax.tree.map(lambda p: _stacked(jnp.zeros(shape(p), p.dtype), split[0]), zeros)
+    if split is None:
+        zeros = jax.tree.map(jnp.zeros_like, head_params)
+    else:  # one sum a device
+        devices = split[1] * split[2]
+        zeros = jax.tree.map(
+            lambda p: _stacked(jnp.zeros((devices, *p.shape), p.dtype), split[0]), head_params
+        )
     d_params, (sums, pred_cbm, d_h_cbmd) = jax.lax.scan(
         one_chunk, zeros, (h_cbmd, labels_cbm, weights_cbm)
     )
