@@ -17,7 +17,7 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers import init
-from hax_jax.parallel import per_device
+from hax_jax.parallel import per_device, received
 from hax_jax.parallel_sparse import sequence_cumsum, sparse_attention_sequence_parallel
 from pallas_kernels.sparse_attention import (
     LinearScore,
@@ -55,14 +55,21 @@ def ranking_loss(scores_bl, q_bln, k_bln, candidates_bc, mask_bl=None) -> jax.Ar
     in the targets (the official code sums over padded queries too).
     """
     l = q_bln.shape[1]
-    x_bc = jnp.take_along_axis(scores_bl.astype(jnp.float32), candidates_bc, axis=1)
+    # What is gathered or summed across positions (x, y, valid) is named as received: on a split
+    # sequence each is an all-reduce, which a rematerialised block keeps rather than reruns in its
+    # backward. Rerun, they are independent across blocks, so XLA:GPU may join them into one that
+    # waits on every block's recompute (presumably why HAX 64K on seq=2 held 17.4 GiB of
+    # temporaries a GPU with all-reduces joined, 10.2 with none joined).
+    x_bc = received(jnp.take_along_axis(scores_bl.astype(jnp.float32), candidates_bc, axis=1))
     k_bcn = jnp.take_along_axis(k_bln.astype(jnp.float32), candidates_bc[..., None], axis=1)
     logits_blc = jnp.einsum("bln,bcn->blc", q_bln.astype(jnp.float32), k_bcn)
     later_blc = jnp.arange(l)[None, :, None] >= candidates_bc[:, None, :]
     if mask_bl is not None:
         later_blc = later_blc & mask_bl[:, :, None]
-    y_bc = jax.lax.stop_gradient(
-        jnp.sum(jnp.where(later_blc, jax.nn.sigmoid(logits_blc), 0.0), axis=1)
+    y_bc = received(
+        jax.lax.stop_gradient(
+            jnp.sum(jnp.where(later_blc, jax.nn.sigmoid(logits_blc), 0.0), axis=1)
+        )
     )
     target_bcc = jnp.where(y_bc[:, :, None] > y_bc[:, None, :], 1.0, 0.0)
     target_bcc = jnp.where(y_bc[:, :, None] == y_bc[:, None, :], 0.5, target_bcc)
@@ -73,7 +80,7 @@ def ranking_loss(scores_bl, q_bln, k_bln, candidates_bc, mask_bl=None) -> jax.Ar
     )
     if mask_bl is None:
         return jnp.mean(bce_bcc)
-    valid_bc = jnp.take_along_axis(mask_bl, candidates_bc, axis=1)
+    valid_bc = received(jnp.take_along_axis(mask_bl, candidates_bc, axis=1))
     pairs_bcc = (valid_bc[:, :, None] & valid_bc[:, None, :]).astype(jnp.float32)
     return jnp.sum(bce_bcc * pairs_bcc) / jnp.maximum(jnp.sum(pairs_bcc), 1.0)
 

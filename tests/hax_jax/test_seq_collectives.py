@@ -96,11 +96,12 @@ def test_the_conv_window_leaves_before_in_proj(collectives):
 @pytest.mark.parametrize("sparse", list(MOST_PER_BLOCK))
 def test_the_recompute_runs_no_collective(sparse):
     """With every block rematerialised the forward's collectives (halos, passed states, carried
-    keys: all-gathers and collective-permutes) run once, not again in the backward's recompute:
-    the block keeps what it received (hax_jax.parallel.CARRIED)."""
+    keys: all-gathers and collective-permutes; the ranking loss's gathers and sums: all-reduces)
+    run once, not again in the backward's recompute: the block keeps what it received
+    (hax_jax.parallel.CARRIED)."""
 
     # Whole 2-layer steps: the loss's and the optimizer's collectives are the same in both.
     plain = collections.Counter(k for k, _ in _per_block(sparse, "none")[2])
     remat = collections.Counter(k for k, _ in _step_collectives(2, sparse, "block"))
-    for kind in ("all-gather", "collective-permute"):
+    for kind in ("all-gather", "collective-permute", "all-reduce"):
         assert remat[kind] == plain[kind], (kind, remat, plain)
