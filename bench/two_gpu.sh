@@ -81,6 +81,10 @@
 #                  (RUNS: which of "one 1proc 2proc", default all; STEPS: steps a window, default 20;
 #                  LIMIT: seconds a run, default 170, two processes 30 more)
 #
+# The GPU machine's copy of this repository holds main's history only: send branches to compare as a
+# git bundle beside the tree (`git bundle create FILE BRANCH... --not main`) and name it in
+# BUNDLE=FILE, whose branches are fetched before the BASE commits are checked.
+#
 # One-GPU cases of a phase run side by side, one per GPU (CUDA_VISIBLE_DEVICES), then its 2-GPU cases
 # one at a time. Every case's log goes to OUTDIR/<case>.log; a case past its time limit is stopped and
 # the phase goes on. Compiled programs are kept in $JAX_COMPILATION_CACHE_DIR (default
@@ -140,9 +144,12 @@ data_parallel() {  # one GPU and data=2 at 8 x 2048 a GPU (the dp and dp_tp phas
 
 if [[ $phase == seq_ab || $phase == dp_ab || $phase == seq_hax_ab ]]; then
     bases=(${BASE:?BASE=REV [REV...]: the commits to compare with})
+    if [[ -n ${BUNDLE:-} ]]; then
+        git fetch -q "$BUNDLE" 'refs/heads/*:refs/heads/*' || exit 2
+    fi
     for rev in "${bases[@]}"; do  # a machine's copy of the repository may predate the session's commits
         if ! git rev-parse --verify -q "$rev^{commit}" >/dev/null; then
-            echo "error: BASE commit '$rev' is not in this copy's git history" >&2
+            echo "error: BASE commit '$rev' is not in this copy's git history (BUNDLE=FILE sends branches)" >&2
             exit 2
         fi
     done
