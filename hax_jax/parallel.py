@@ -166,6 +166,32 @@ def seq_shards() -> int:
     return dict(mesh.shape)[SEQ]
 
 
+def top_k_over_sequence(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k of x (b, l) along l, each shard of a split sequence taking its own top k
+    first (positions in the whole row), then the top k of those: the same values and indices as
+    one top_k (ties go to the lower position in both), where GSPMD would gather the whole (b, l)
+    onto every device."""
+
+    def shard_top_k(x):
+        values, index = jax.lax.top_k(x, min(k, x.shape[1]))
+        if seq_shards() > 1:
+            index = index + jax.lax.axis_index(SEQ) * x.shape[1]
+        return values, index
+
+    mesh = op_mesh(seq_aware=True)
+    spec = None if mesh is None else logical_to_spec(("batch", SEQ), x.shape, mesh)
+    if spec is None or spec[1] is None:  # the sequence is not split here
+        return jax.lax.top_k(x, k)
+    # Not per_device: each shard's output is (b, min(k, shard length)), not a shard of an output
+    # whose whole shape fn would give.
+    mapped = jax.shard_map(
+        shard_top_k, mesh=mesh, in_specs=spec, out_specs=(spec, spec), check_vma=False
+    )
+    values, index = mapped(x)
+    values, pick = jax.lax.top_k(values, k)  # over (b, shards x k): small
+    return values, jnp.take_along_axis(index, pick, axis=1)
+
+
 def from_previous_shard(tail: jax.Array, first: jax.Array) -> jax.Array:
     """`tail` of shard s - 1 on shard s, and `first` on shard 0 (same shape): a halo."""
     shards = seq_shards()

@@ -17,8 +17,9 @@ from flax import nnx
 
 from hax_jax.config import ModelConfig
 from hax_jax.layers import init
-from hax_jax.parallel import per_device, received
+from hax_jax.parallel import per_device, received, top_k_over_sequence
 from hax_jax.parallel_sparse import sequence_cumsum, sparse_attention_sequence_parallel
+from hax_jax.sharding import shard
 from pallas_kernels.sparse_attention import (
     LinearScore,
     SparseAttentionCache,
@@ -191,10 +192,12 @@ class HaxBranch(nnx.Module):
         ranks them."""
         b, l = scores.shape
         kc = min(self.spec.keys_per_component, l)
-        noise = jax.random.uniform(rng, (b, l))
+        # Drawn split as the sequence is (the same values: jax's random bits are partitionable),
+        # and ranked shard by shard: no device holds the whole row's noise.
+        noise = shard(jax.random.uniform(rng, (b, l)), "batch", "seq")
         if mask is not None:
             noise = jnp.where(mask, noise, -1.0)
-        _, candidates = jax.lax.top_k(noise, kc)
+        _, candidates = top_k_over_sequence(noise, kc)
         return ranking_loss(scores, q, k, selected(candidates), mask)
 
     def forward(self, x: jax.Array, cache, *, mask=None, rng=None):

@@ -22,6 +22,10 @@ from tests.support.collectives import step_collectives
 L, D_CONV, CHUNK, SHARDS, D_MODEL = 1024, 4, 8, 2, 40
 
 
+def _sparse(pattern: str) -> SparseConfig:
+    return SparseConfig(pattern=pattern, num_keys=16, hash_bits=3, max_len=L)
+
+
 def _step_collectives(n_layer: int, sparse: str, remat: str) -> list[tuple[str, str]]:
     """(kind, result shape) of every collective of the step under data x seq = 1 x 2."""
     cfg = ModelConfig(
@@ -30,7 +34,7 @@ def _step_collectives(n_layer: int, sparse: str, remat: str) -> list[tuple[str, 
         vocab_size=48,
         block_pattern=("mamba2",),
         mamba2=Mamba2Config(d_state=8, headdim=8, chunk_size=CHUNK, d_conv=D_CONV),
-        sparse=SparseConfig(pattern=sparse, num_keys=16, hash_bits=3, max_len=L),
+        sparse=_sparse(sparse),
         remat=remat,
     )
     return step_collectives(cfg, MeshConfig(data=1, seq=SHARDS, tensor=1), 1, L, P(None, "seq"))
@@ -38,12 +42,13 @@ def _step_collectives(n_layer: int, sparse: str, remat: str) -> list[tuple[str, 
 
 # Per block (measured), on two shards where whatever passes goes from the first shard to the
 # second (and back in the backward) as one collective-permute: Mamba-2's conv halo and the SSD's
-# (decay, final state) pair, each with its transpose (4). HAX adds 6: the sums of q and k before
+# (decay, final state) pair, each with its transpose (4). HAX adds 7: the sums of q and k before
 # the shard (LSH centring), the key scorer's prefix sums, two of the summaries (positions beside
-# buckets and scores, keys beside values), the keys' and values' transpose, and one small
-# all-reduce (two (b, n), one (b, n, h)). (On more shards the pairs and summaries are
-# all-gathered.)
-MOST_PER_BLOCK = {"": 4, "lsh+ks": 10}
+# buckets and scores, keys beside values), the keys' and values' transpose, one small all-reduce
+# (two (b, n), one (b, n, h)), and one small all-gather: the ranking loss's candidates, each
+# shard's top kc of its own noise as (b, shards x kc), whose top kc is the row's. (On more shards
+# the pairs and summaries are all-gathered.)
+MOST_PER_BLOCK = {"": 4, "lsh+ks": 11}
 
 
 @functools.cache
@@ -65,7 +70,11 @@ def test_a_handful_of_collectives_per_block(collectives):
     per_block = {k: v for k, v in per_block.items() if v}
     assert sum(per_block.values()) <= MOST_PER_BLOCK[sparse], per_block
     assert per_block.get("collective-permute", 0) >= 2, per_block  # the conv halo, the states
-    assert "all-gather" not in per_block, per_block  # nothing that the first shard waits for
+    # Nothing else that the first shard waits for: the candidates are drawn from the step's rng and
+    # the mask alone, before any block runs.
+    gathers = [shape for kind, shape in by_layers[2] if kind == "all-gather"]
+    candidates = SHARDS * _sparse(sparse).spec.keys_per_component if sparse else 0
+    assert all(re.fullmatch(rf"f32\[1,{candidates}\]\S*", g) for g in gathers), gathers
 
 
 def test_no_collective_moves_a_sequence(collectives):

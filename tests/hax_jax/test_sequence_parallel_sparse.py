@@ -14,9 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hax_jax import sharding
 from hax_jax.config import MeshConfig
+from hax_jax.parallel import top_k_over_sequence
 from pallas_kernels.sparse_attention.carry import take_rows
 from tests.hax_jax.test_sequence_parallel import MESHES, _cfg, _check_split_equals_one_device
 from tests.support.collectives import sharded_step
@@ -123,3 +126,21 @@ def test_take_rows_gradient_is_the_gathers_transpose(dtype, shape):
     grad, want = jax.grad(fast)(x), jax.grad(plain)(x)
     assert grad.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("mesh_id", MESH_IDS)
+def test_top_k_over_the_sequence_is_one_top_k(mesh_id):
+    """parallel.top_k_over_sequence (each shard's top k, then the top k of those) gives
+    jax.lax.top_k's values and positions, ties (padding's -1, repeated values) to the lower
+    position, with the rows split over "seq" (and "data")."""
+    rng = np.random.default_rng(1)
+    noise = rng.integers(0, 6, (4, 64)).astype(np.float32)  # many ties
+    noise[:, 40:] = -1.0  # padding, as the ranking loss marks it
+    noise[3, 5:] = -1.0  # a row with fewer real positions than k
+    mesh = sharding.make_mesh(MeshConfig(**dict(zip(("data", "seq", "tensor"), MESHES[mesh_id]))))
+    x = jax.device_put(noise, NamedSharding(mesh, P("data", "seq")))
+    with jax.set_mesh(mesh):
+        values, index = jax.jit(top_k_over_sequence, static_argnums=1)(x, 12)
+    want_values, want_index = jax.lax.top_k(jnp.asarray(noise), 12)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(index, want_index)

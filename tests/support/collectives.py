@@ -31,12 +31,16 @@ def sharded_step(
     rules: sharding.Rules = sharding.RULES,
 ):
     """(jitted value_and_grad of the LM loss with the ranking loss of a sparse branch, abstract
-    params and tokens placed on the simulated CPU devices' mesh, the mesh)."""
+    params and tokens placed on the simulated CPU devices' mesh, the mesh). The model is given a
+    mask of real tokens, as train.py gives it (the ranking loss then draws no padding)."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
 
     def loss(params, tokens):
         model = nnx.merge(graphdef, params)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(tokens, rng=jax.random.key(0))
+        real = tokens >= 0
+        logits, sown = nnx.capture(model, nnx.Intermediate)(
+            tokens, mask=real, rng=jax.random.key(0)
+        )
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
         return ce + rank_loss_sum(sown)
 
