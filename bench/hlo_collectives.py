@@ -22,7 +22,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_attribution import hlo_sources, profiler_name
-from bench.timing import array_bytes
+from bench.timing import result_bytes
 
 KINDS = "all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all"
 # "%name = TYPE kind(" or "%name = TYPE kind-start(": the name, the result type, the kind.
@@ -45,15 +45,9 @@ def collectives(text: str, sources: dict[str, str]) -> dict[Group, list[int]]:
         m = COLLECTIVE.match(line)
         if not m:
             continue
-        result = m[2]
-        if m[4] and result.startswith("(("):  # an async start's ((operands), result): the result
-            sizes = array_bytes(result)
-            result_bytes = sum(sizes[len(sizes) // 2 :])
-        else:
-            result_bytes = sum(array_bytes(result))
         group = Group(m[3], "rematted_computation" in line, sources.get(profiler_name(m[1]), "?"))
         groups[group][0] += 1
-        groups[group][1] += result_bytes
+        groups[group][1] += sum(result_bytes(m[2], m[3] + (m[4] or "")))
     return dict(groups)
 
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_attribution import hlo_sources, profiler_name
-from bench.timing import array_bytes
+from bench.timing import result_bytes
 
 INSTRUCTION = re.compile(r"\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 ALIASES = {"bitcast", "get-tuple-element", "tuple", "parameter", "constant"}
@@ -67,9 +67,7 @@ def buffers(instructions: list[Instruction]) -> tuple[dict, dict, dict]:
         elif ins.op.endswith("-done"):
             refers[ins.name] = refers.get(ins.operands[0], [])
         else:
-            sizes = array_bytes(ins.shape)
-            if ins.op.endswith("-start") and ins.shape.startswith("(("):
-                sizes = sizes[len(sizes) // 2 :]  # ((operands), result): the result's
+            sizes = result_bytes(ins.shape, ins.op)
             refers[ins.name] = [f"{ins.name}#{k}" for k in range(len(sizes))]
             for buffer, nbytes in zip(refers[ins.name], sizes):
                 size[buffer], made[buffer] = nbytes, i

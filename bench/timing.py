@@ -314,6 +314,15 @@ def array_bytes(type_text: str) -> list[int]:
     return [size for _, size in typed_array_bytes(type_text)]
 
 
+def result_bytes(type_text: str, op: str) -> list[int]:
+    """Bytes of each array an HLO instruction `op` makes, from its result type: an async start's
+    ((operands), result) holds its operands too, which are not its to make."""
+    sizes = array_bytes(type_text)
+    if op.endswith("-start") and type_text.startswith("(("):
+        return sizes[len(sizes) // 2 :]
+    return sizes
+
+
 def typed_array_bytes(type_text: str) -> list[tuple[str, int]]:
     """(dtype, bytes) of each array in an HLO result type, in order."""
     sizes = []
