@@ -168,15 +168,13 @@ def seq_shards() -> int:
 
 def top_k_over_sequence(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """jax.lax.top_k of x (b, l) along l, each shard of a split sequence taking its own top k
-    first (positions in the whole row), then the top k of those: the same values and indices as
+    first, then the top k of those: the same values and indices as
     one top_k (ties go to the lower position in both), where GSPMD would gather the whole (b, l)
     onto every device."""
 
     def shard_top_k(x):
         values, index = jax.lax.top_k(x, min(k, x.shape[1]))
-        if seq_shards() > 1:
-            index = index + jax.lax.axis_index(SEQ) * x.shape[1]
-        return values, index
+        return values, index + jax.lax.axis_index(SEQ) * x.shape[1]  # positions in the row
 
     mesh = op_mesh(seq_aware=True)
     spec = None if mesh is None else logical_to_spec(("batch", SEQ), x.shape, mesh)
