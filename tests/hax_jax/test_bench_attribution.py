@@ -1,16 +1,10 @@
 """bench/kernel_attribution.py, which BENCHMARKS.md's per-source-line comparisons come from: checked
 on a hand-made optimized HLO and kernel list whose answer is read off by hand."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from scripts import load_script
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_attribution", Path(__file__).resolve().parents[2] / "bench" / "kernel_attribution.py"
-)
-attribution = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(attribution)
+attribution = load_script("bench/kernel_attribution.py", "bench_attribution")
 
 # Frame 2 (inside jax) is called from frame 1 (our conv line); fusion.2 has no frame at all.
 HLO = """HloModule step

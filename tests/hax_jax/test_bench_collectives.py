@@ -1,14 +1,12 @@
 """bench/hlo_collectives.py, which lists a step's collectives by source line and recompute: checked
 on a hand-made HLO whose collectives are counted by hand."""
 
-import importlib.util
-from pathlib import Path
+import re
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_collectives", Path(__file__).resolve().parents[2] / "bench" / "hlo_collectives.py"
-)
-collectives = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(collectives)
+import pytest
+from scripts import load_script
+
+collectives = load_script("bench/hlo_collectives.py", "bench_collectives")
 
 # Frame 1 is hax_attention.py:58 (ranking_loss); frame 2 a library file with no line of ours.
 HLO = """HloModule step, is_scheduled=true
@@ -52,9 +50,5 @@ def test_collectives_are_grouped_by_source_and_recompute(tmp_path):
 
 def test_an_unreadable_file_is_one_error_line(tmp_path):
     missing = tmp_path / "missing.txt"
-    try:
+    with pytest.raises(SystemExit, match=f"^error: cannot read {re.escape(str(missing))}: "):
         collectives.report(str(missing))
-    except SystemExit as e:
-        assert str(e).startswith(f"error: cannot read {missing}")
-    else:
-        raise AssertionError("no SystemExit")

@@ -1,17 +1,11 @@
 """bench/decode_ops.py's count of a decode loop's ops: on a hand-made HLO whose ops are counted by
 hand, and on compiled loops that differ by one known op."""
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
+from scripts import load_script
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_decode_ops", Path(__file__).resolve().parents[2] / "bench" / "decode_ops.py"
-)
-decode_ops = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_ops)
+decode_ops = load_script("bench/decode_ops.py", "bench_decode_ops")
 
 # Two loops: the larger body (5 ops: two fusions, one of them with a tuple result, a dot, a sort,
 # a copy; parameter, tuple and get-tuple-element launch nothing) is counted; the small one has 1.

@@ -1,16 +1,10 @@
 """bench/hlo_liveness.py, which BENCHMARKS.md's live-buffer counts come from: checked on a hand-made
 scheduled HLO whose live bytes are counted by hand."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from scripts import load_script
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_liveness", Path(__file__).resolve().parents[2] / "bench" / "hlo_liveness.py"
-)
-liveness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(liveness)
+liveness = load_script("bench/hlo_liveness.py", "bench_liveness")
 
 # Schedule: 0 p, 1 a, 2 b, 3-4 its elements, 5 c, 6-7 an async permute of c, 8 d, 9 the root.
 # Live bytes: a 4096 from 1 to 8; b's elements 2048 (to 8) and 8192 (to 5); c 16384 (5 to 6);

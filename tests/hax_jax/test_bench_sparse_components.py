@@ -1,21 +1,16 @@
 """bench/sparse_components.py's per-component selection statistics, from the indexed selection,
 against the same statistics counted on the dense reference masks of each component alone."""
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
+from scripts import load_script
 
 from hax_jax.model_config import SparseConfig
 from pallas_kernels.sparse_attention.reference import sparse_attention_mask
 from pallas_kernels.sparse_attention.spec import SparseSpec
 
-_path = Path(__file__).resolve().parents[2] / "bench" / "sparse_components.py"
-_spec = importlib.util.spec_from_file_location("bench_sparse_components", _path)
-sparse_components = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sparse_components)
+sparse_components = load_script("bench/sparse_components.py", "bench_sparse_components")
 
 
 def test_selection_stats_equal_the_reference_masks_counts():

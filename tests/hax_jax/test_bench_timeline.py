@@ -2,18 +2,12 @@
 columns: checked on a hand-made trace whose answer is counted by hand; and full_collections, the
 garbage-collection count train_throughput.py prints."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from scripts import load_script
 
-# bench/ is scripts, not an installed package: loaded from its file, as the tests load train.py.
-_spec = importlib.util.spec_from_file_location(
-    "bench_timing", Path(__file__).resolve().parents[2] / "bench" / "timing.py"
-)
-timing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(timing)
+timing = load_script("bench/timing.py", "bench_timing")
 
 
 def _event(start, end, name):

@@ -1,7 +1,6 @@
 """eval.py and hax_jax.evals: metrics against direct computations, a run's workdir, errors."""
 
 import dataclasses
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mixer_testing import lm_logits
+from scripts import load_script
 from text_models import small_mamba2, tiny_text_model
 
 from hax_jax import Config, save_pretrained
@@ -18,15 +18,7 @@ from hax_jax.evals import heldout, text_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script(name: str):
-    """A top-level script (eval.py, train.py) as a module."""
-    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-eval_cli = _script("eval")
+eval_cli = load_script("eval.py", "eval_script")
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32
 
@@ -261,7 +253,8 @@ def test_workdir_eval_reads_the_best_checkpoint(tmp_path):
         "model.block_pattern=mamba2",
         "model.n_layer=1",
     ]
-    logged = _script("train").main([str(ROOT / "configs/tiny.py"), *overrides])
+    train = load_script("train.py", "train_script")
+    logged = train.main([str(ROOT / "configs/tiny.py"), *overrides])
     results = eval_cli.main([str(workdir), "--tasks", "joint_recall", "--batch-size", "4"])
     got = results["joint_recall"]
     np.testing.assert_allclose(got["accuracy"], logged["valid_accuracy"], rtol=1e-6)

@@ -1,14 +1,13 @@
 """The lm-evaluation-harness adapter: local YAML tasks over local JSONL, offline, against direct
 sums."""
 
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 from mixer_testing import lm_logits
+from scripts import load_script
 from text_models import tiny_text_model
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -20,11 +19,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from hax_jax.evals import lm_eval_adapter  # noqa: E402
 from hax_jax.evals.lm_eval_adapter import HaxJaxLM  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "eval_script", Path(__file__).resolve().parents[2] / "eval.py"
-)
-eval_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(eval_cli)
+eval_cli = load_script("eval.py", "eval_script")
 
 QUESTIONS = [
     {"question": "The import statement", "choices": [" loads a module", " is blue"], "answer": 0},

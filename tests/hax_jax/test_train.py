@@ -3,7 +3,6 @@ errors."""
 
 import dataclasses
 import gc
-import importlib.util
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 from collectives import arrays, collectives_of
 from flax import nnx
+from scripts import load_script
 from tiny_runs import TINY_JOINT_RECALL, subprocess_xla_flags
 
 import hax_jax
@@ -26,9 +26,7 @@ from hax_jax import config as config_lib
 from hax_jax import optim, training
 
 ROOT = Path(__file__).parents[2]
-_spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
-train = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train)
+train = load_script("train.py", "train_script")
 
 # A few-second joint recall run: 2 x 2 tables (37 positions), d_model 32.
 SMALL = [
